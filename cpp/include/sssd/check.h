@@ -1,0 +1,50 @@
+// Error reporting for the SSSD core.
+//
+// Every check in the core is always on (never `assert`): a bad input or a
+// corrupt file raises a C++ exception that the binding turns into a Python
+// exception. Three kinds, mapped by pybind11's default translator:
+//   std::invalid_argument -> ValueError   (bad argument values)
+//   std::out_of_range     -> IndexError   (unknown ids, indices)
+//   sssd::Error           -> sssd.SSSDError (corrupt files, I/O, internal)
+//   sssd::UnknownRequest  -> KeyError       (a request id that is not open)
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace sssd {
+
+/// Failure that is not the caller's argument: I/O, corrupt data, internal state.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A request id that is not open (KeyError in Python).
+class UnknownRequest : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+}  // namespace sssd
+
+/// Throw ExcType(message...) unless cond holds. Always compiled in.
+#define SSSD_CHECK_AS(ExcType, cond, ...)                                \
+  do {                                                                   \
+    if (!(cond)) throw ExcType(::sssd::detail::concat(__VA_ARGS__));     \
+  } while (0)
+
+/// Argument checks: raise ValueError in Python.
+#define SSSD_CHECK_ARG(cond, ...) SSSD_CHECK_AS(std::invalid_argument, cond, __VA_ARGS__)
+/// Data / file / state checks: raise sssd.SSSDError in Python.
+#define SSSD_CHECK(cond, ...) SSSD_CHECK_AS(::sssd::Error, cond, __VA_ARGS__)

@@ -1,0 +1,27 @@
+// Basic types shared by every component of the SSSD core.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+namespace sssd {
+
+/// A token id. 32 bits wide so that vocabularies above 65,535 work.
+using token_t = uint32_t;
+
+/// Document separator in a datastore token stream. No continuation ever
+/// crosses it, and it is never a valid token id: ids go up to 2^32 - 2.
+inline constexpr token_t kSeparator = std::numeric_limits<token_t>::max();
+
+/// Largest token id that may appear in a stream or a query.
+inline constexpr token_t kMaxTokenId = kSeparator - 1;
+
+/// Where a draft node came from (the `source` tag of a draft tree node).
+enum class Source : uint8_t {
+  kDatastore = 0,  ///< the offline suffix-array datastore
+  kInput = 1,      ///< the request's own prompt + generated tokens
+  kExternal = 2,   ///< a tree supplied by the caller (e.g. a model drafter)
+};
+inline constexpr int kNumSources = 3;
+
+}  // namespace sssd
