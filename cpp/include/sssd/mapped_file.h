@@ -1,0 +1,43 @@
+// Read-only memory maps of datastore files, and an owned-buffer stand-in so
+// that an in-memory datastore and an mmap'd one share one code path.
+//
+// Maps are MAP_SHARED and read-only: many processes that open the same
+// datastore share one copy in the page cache, and opening costs the same
+// whatever the file size (nothing is read until a query touches it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sssd {
+
+class Bytes {
+ public:
+  Bytes() = default;
+  /// Maps `path` read-only. Throws sssd::Error (with the path and errno text)
+  /// if it cannot be opened or mapped. `random_access` sets MADV_RANDOM.
+  static Bytes map_file(const std::string& path, bool random_access);
+  /// Takes ownership of an in-memory buffer.
+  static Bytes own(std::vector<uint8_t> buffer);
+
+  Bytes(Bytes&& other) noexcept;
+  Bytes& operator=(Bytes&& other) noexcept;
+  Bytes(const Bytes&) = delete;
+  Bytes& operator=(const Bytes&) = delete;
+  ~Bytes();
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool mapped() const { return mapped_; }
+
+ private:
+  void release() noexcept;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  bool mapped_ = false;
+  std::vector<uint8_t> owned_;
+};
+
+}  // namespace sssd
