@@ -1,0 +1,93 @@
+#include "sssd/request_trie.h"
+
+#include <algorithm>
+
+#include "sssd/check.h"
+
+namespace sssd {
+
+RequestTrie::RequestTrie(int max_depth, size_t max_nodes)
+    : max_depth_(max_depth), max_nodes_(max_nodes) {
+  SSSD_CHECK_ARG(max_depth >= 2 && max_depth <= 1024, "trie depth must be in [2, 1024], got ",
+                 max_depth);
+  nodes_.push_back({0, 0.0f, kNoNode, kNoNode});
+}
+
+uint32_t RequestTrie::child(uint32_t parent, token_t token) {
+  uint32_t c = index_.find(parent, token);
+  if (c != kNoNode || nodes_.size() >= max_nodes_) return c;
+  c = uint32_t(nodes_.size());
+  // Prepend to the sibling list: O(1); child order does not affect drafts
+  // (the merger orders candidates by score, then token id).
+  nodes_.push_back({token, 0.0f, kNoNode, nodes_[parent].first_child});
+  nodes_[parent].first_child = c;
+  index_.insert(parent, token, c);
+  return c;
+}
+
+void RequestTrie::extend(std::span<const token_t> tokens) {
+  tokens_.reserve(tokens_.size() + tokens.size());
+  for (const token_t t : tokens) {
+    SSSD_CHECK_ARG(t != kSeparator, "token id ", t, " is reserved as the document separator");
+    // The n-grams ending at the new token extend those ending one earlier.
+    const size_t depth = std::min(tail_.size() + 1, size_t(max_depth_));
+    tail_.resize(depth, kNoNode);
+    for (size_t k = depth; k-- > 1;) {
+      const uint32_t prev = tail_[k - 1];
+      tail_[k] = prev == kNoNode ? kNoNode : child(prev, t);
+    }
+    tail_[0] = child(0, t);
+    for (const uint32_t node : tail_) {
+      if (node != kNoNode) nodes_[node].weight += 1.0f;
+    }
+    tokens_.push_back(t);
+  }
+}
+
+SourceTree RequestTrie::continuations(int len) const {
+  SourceTree v;
+  v.nodes = nodes_.data();
+  v.source = Source::kInput;
+  v.match_len = len;
+  if (len < 1 || len >= max_depth_ || size_t(len) > tail_.size()) return v;
+  const uint32_t node = tail_[size_t(len) - 1];
+  if (node == kNoNode) return v;
+  v.root = node;
+  v.total = double(nodes_[node].weight) - 1.0;  // the occurrence at the end has no next token
+  v.max_depth = max_depth_ - len;
+  return v;
+}
+
+size_t RequestTrie::memory_bytes() const {
+  return tokens_.capacity() * sizeof(token_t) + nodes_.capacity() * sizeof(TreeNode) +
+         index_.memory_bytes() + tail_.capacity() * sizeof(uint32_t);
+}
+
+std::string RequestTrie::check_integrity() const {
+  // Depth-first walk from the root, checking counts, index and depth.
+  std::vector<std::pair<uint32_t, int>> stack{{0, 0}};
+  size_t seen = 0;
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    ++seen;
+    if (depth > max_depth_) return detail::concat("node ", node, " is deeper than ", max_depth_);
+    double sum = 0;
+    for (uint32_t c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+      if (c >= nodes_.size()) return detail::concat("node ", node, " has child ", c, " out of range");
+      if (index_.find(node, nodes_[c].token) != c) {
+        return detail::concat("child index disagrees at node ", node, " token ", nodes_[c].token);
+      }
+      sum += nodes_[c].weight;
+      stack.push_back({c, depth + 1});
+    }
+    if (node != 0 && sum > nodes_[node].weight) {
+      return detail::concat("children of node ", node, " count ", sum, " > its ", nodes_[node].weight);
+    }
+  }
+  if (seen != nodes_.size()) return detail::concat(nodes_.size() - seen, " nodes are unreachable");
+  if (index_.size() + 1 != nodes_.size()) return "child index size does not match the node count";
+  return "";
+}
+
+}  // namespace sssd
