@@ -1,0 +1,67 @@
+// TreeMerger: Algorithm 1 of the paper. One priority queue over the nodes of
+// every source tree; priority = source probability x discount(source, match
+// length, depth). The best candidate is inserted under its draft parent (or
+// merged with an identical sibling, which costs no budget), then its children
+// in its source tree become candidates. Stops when the draft holds `budget`
+// nodes. Ties are broken by (depth, source tree, token, parent), so the
+// result is deterministic.
+//
+// Siblings share their discount, so their order by priority is their order
+// by weight: an expanded node's children are sorted once and enter the queue
+// one at a time (the next when the previous is popped). The pop order is the
+// same as pushing them all, but the queue stays small.
+//
+// A TreeMerger holds scratch buffers only; use one per thread.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "sssd/draft_tree.h"
+#include "sssd/score_table.h"
+#include "sssd/tree_node.h"
+
+namespace sssd {
+
+class TreeMerger {
+ public:
+  /// Merges `trees` into `out` (cleared first), at most `budget` nodes.
+  void merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget, DraftTree& out);
+
+ private:
+  // A source node waiting in a sorted sibling list.
+  struct Sibling {
+    double prob;   // weight / total
+    uint32_t node;
+    token_t token;
+  };
+  struct Candidate {
+    double priority;
+    uint32_t sibling;  // index into siblings_ of this candidate
+    uint32_t end;      // end of its sibling list in siblings_
+    uint32_t tree;     // index into trees
+    int32_t parent;    // draft node to insert under (-1: root)
+    int32_t depth;     // depth of the node once inserted
+    token_t token;
+  };
+  struct Worse {
+    bool operator()(const Candidate& a, const Candidate& b) const {
+      if (a.priority != b.priority) return a.priority < b.priority;
+      if (a.depth != b.depth) return a.depth > b.depth;
+      if (a.tree != b.tree) return a.tree > b.tree;
+      if (a.token != b.token) return a.token > b.token;
+      return a.parent > b.parent;
+    }
+  };
+  void expand(const SourceTree& t, uint32_t tree_index, uint32_t node, int32_t draft_parent,
+              int32_t depth, const ScoreTable& table);
+  void push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth, double discount);
+
+  std::vector<Candidate> heap_;
+  std::vector<Sibling> siblings_;   // sorted sibling lists, appended per expansion
+  std::vector<double> discounts_;   // per candidate list: discount of its siblings
+  std::vector<int32_t> first_child_, next_sibling_;  // draft tree child lists
+  int32_t root_first_child_ = -1;
+};
+
+}  // namespace sssd

@@ -1,0 +1,127 @@
+#include "sssd/tree_merger.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace sssd {
+
+void TreeMerger::push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth,
+                      double discount) {
+  const Sibling& s = siblings_[sibling];
+  heap_.push_back({s.prob * discount, sibling, end, tree, parent, depth, s.token});
+  std::push_heap(heap_.begin(), heap_.end(), Worse{});
+}
+
+void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node, int32_t draft_parent,
+                        int32_t depth, const ScoreTable& table) {
+  const uint32_t begin = uint32_t(siblings_.size());
+  for (uint32_t c = t.nodes[node].first_child; c != kNoNode; c = t.nodes[c].next_sibling) {
+    const double weight = t.nodes[c].weight;
+    if (weight > 0) siblings_.push_back({weight / t.total, c, t.nodes[c].token});
+  }
+  const uint32_t end = uint32_t(siblings_.size());
+  if (begin == end) return;
+  // Best first; equal probabilities by token, as the queue would order them.
+  std::sort(siblings_.begin() + begin, siblings_.end(), [](const Sibling& a, const Sibling& b) {
+    return a.prob != b.prob ? a.prob > b.prob : a.token < b.token;
+  });
+  const double discount = table(t.source, t.match_len, depth);
+  discounts_.resize(end);
+  for (uint32_t i = begin; i < end; ++i) discounts_[i] = discount;
+  push(begin, end, tree_index, draft_parent, depth, discount);
+}
+
+void TreeMerger::merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget,
+                       DraftTree& out) {
+  out.clear();
+  heap_.clear();
+  siblings_.clear();
+  first_child_.clear();
+  next_sibling_.clear();
+  root_first_child_ = -1;
+  if (budget <= 0) return;
+  for (uint32_t i = 0; i < trees.size(); ++i) {
+    if (!trees[i].empty() && trees[i].max_depth >= 1) expand(trees[i], i, trees[i].root, -1, 1, table);
+  }
+  while (!heap_.empty() && out.size() < size_t(budget)) {
+    std::pop_heap(heap_.begin(), heap_.end(), Worse{});
+    const Candidate c = heap_.back();
+    heap_.pop_back();
+    // Its next sibling (same parent, same discount) becomes a candidate.
+    if (c.sibling + 1 < c.end) push(c.sibling + 1, c.end, c.tree, c.parent, c.depth, discounts_[c.sibling]);
+    const SourceTree& t = trees[c.tree];
+    const uint32_t source_node = siblings_[c.sibling].node;
+
+    // Insert under c.parent, or merge with the sibling holding the same token.
+    const int32_t head = c.parent < 0 ? root_first_child_ : first_child_[size_t(c.parent)];
+    int32_t id = head;
+    while (id >= 0 && out.tokens[size_t(id)] != c.token) id = next_sibling_[size_t(id)];
+    const float q = t.draft_probs ? t.draft_probs[source_node] : std::numeric_limits<float>::quiet_NaN();
+    if (id < 0) {
+      id = int32_t(out.size());
+      out.tokens.push_back(c.token);
+      out.parents.push_back(c.parent);
+      out.depths.push_back(c.depth);
+      out.scores.push_back(float(c.priority));
+      out.sources.push_back(uint8_t(t.source));
+      out.draft_probs.push_back(q);
+      first_child_.push_back(-1);
+      next_sibling_.push_back(head);
+      (c.parent < 0 ? root_first_child_ : first_child_[size_t(c.parent)]) = id;
+    } else if (std::isnan(out.draft_probs[size_t(id)])) {
+      out.draft_probs[size_t(id)] = q;
+    }
+    if (c.depth < t.max_depth) expand(t, c.tree, source_node, id, c.depth + 1, table);
+  }
+}
+
+DraftBatch concat(const std::vector<DraftTree>& trees) {
+  DraftBatch batch;
+  batch.offsets.reserve(trees.size() + 1);
+  batch.offsets.push_back(0);
+  size_t total = 0;
+  for (const auto& t : trees) total += t.size();
+  DraftTree& n = batch.nodes;
+  n.tokens.reserve(total);
+  n.parents.reserve(total);
+  n.depths.reserve(total);
+  n.scores.reserve(total);
+  n.sources.reserve(total);
+  n.draft_probs.reserve(total);
+  for (const auto& t : trees) {
+    n.tokens.insert(n.tokens.end(), t.tokens.begin(), t.tokens.end());
+    n.parents.insert(n.parents.end(), t.parents.begin(), t.parents.end());
+    n.depths.insert(n.depths.end(), t.depths.begin(), t.depths.end());
+    n.scores.insert(n.scores.end(), t.scores.begin(), t.scores.end());
+    n.sources.insert(n.sources.end(), t.sources.begin(), t.sources.end());
+    n.draft_probs.insert(n.draft_probs.end(), t.draft_probs.begin(), t.draft_probs.end());
+    batch.offsets.push_back(int64_t(n.tokens.size()));
+  }
+  return batch;
+}
+
+std::vector<int32_t> best_chain(const int32_t* parents, const float* scores, size_t n) {
+  // Parents precede children, so one backward pass computes, for every node,
+  // the best sum of scores over chains that start at it.
+  std::vector<double> best(n, 0.0);
+  std::vector<int32_t> next(n, -1);
+  double root_best = 0;
+  int32_t root_next = -1;
+  for (size_t i = n; i-- > 0;) {
+    best[i] += scores[i];
+    const int32_t p = parents[i];
+    double& pb = p < 0 ? root_best : best[size_t(p)];
+    int32_t& pn = p < 0 ? root_next : next[size_t(p)];
+    // >= walks backwards, so ties end on the earliest-inserted child.
+    if (pn < 0 || best[i] >= pb) {
+      pb = best[i];
+      pn = int32_t(i);
+    }
+  }
+  std::vector<int32_t> chain;
+  for (int32_t i = root_next; i >= 0; i = next[size_t(i)]) chain.push_back(i);
+  return chain;
+}
+
+}  // namespace sssd
