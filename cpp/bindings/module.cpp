@@ -1,0 +1,385 @@
+// pybind11 module sssd._core: glue only (argument checks, span borrowing,
+// GIL release, result wrapping). Algorithms live in cpp/src.
+//
+// Rules: inputs are borrowed with the GIL held, work runs in an inner scope
+// with the GIL released, outputs are built after it is reacquired. C++
+// exceptions map to Python ones: std::invalid_argument -> ValueError,
+// sssd::UnknownRequest -> KeyError, sssd::Error -> sssd.SSSDError,
+// std::bad_alloc -> MemoryError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+
+#include "numpy_util.h"
+#include "sssd/check.h"
+#include "sssd/continuation_tree.h"
+#include "sssd/datastore.h"
+#include "sssd/drafter.h"
+#include "sssd/request_trie.h"
+#include "sssd/suffix_sort.h"
+#include "sssd/tree_merger.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+using sssd::py_util::borrow;
+using sssd::py_util::to_numpy;
+using sssd::py_util::view;
+
+namespace {
+
+// Thrown through the core when a Python progress callback raised; the saved
+// Python error is re-raised once the GIL is back.
+struct CallbackFailed {};
+
+// Wraps a Python progress callable for use without the GIL.
+struct ProgressBridge {
+  py::object fn;
+  std::optional<py::error_already_set> error;
+  sssd::SortProgress callback() {
+    if (fn.is_none()) return {};
+    return [this](size_t done, size_t total) {
+      py::gil_scoped_acquire gil;
+      try {
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        fn(done, total);
+      } catch (py::error_already_set& e) {
+        error.emplace(std::move(e));
+        throw CallbackFailed{};
+      }
+    };
+  }
+};
+
+py::dict draft_batch_to_dict(sssd::DraftBatch&& batch) {
+  std::vector<int64_t> tokens(batch.nodes.tokens.begin(), batch.nodes.tokens.end());
+  py::dict d;
+  d["offsets"] = to_numpy(std::move(batch.offsets));
+  d["tokens"] = to_numpy(std::move(tokens));
+  d["parents"] = to_numpy(std::move(batch.nodes.parents));
+  d["depths"] = to_numpy(std::move(batch.nodes.depths));
+  d["scores"] = to_numpy(std::move(batch.nodes.scores));
+  d["sources"] = to_numpy(std::move(batch.nodes.sources));
+  d["draft_probs"] = to_numpy(std::move(batch.nodes.draft_probs));
+  return d;
+}
+
+// A continuation tree as parent-pointer arrays (parents precede children).
+py::dict tree_to_dict(const sssd::SourceTree& t) {
+  std::vector<int64_t> tokens;
+  std::vector<int32_t> parents;
+  std::vector<double> weights;
+  if (!t.empty()) {
+    std::vector<std::pair<uint32_t, int32_t>> queue{{t.root, -1}};
+    for (size_t head = 0; head < queue.size(); ++head) {
+      const auto [node, parent_out] = queue[head];
+      int32_t id = -1;
+      if (head > 0) {
+        id = int32_t(tokens.size());
+        tokens.push_back(t.nodes[node].token);
+        parents.push_back(parent_out);
+        weights.push_back(t.nodes[node].weight);
+      }
+      for (uint32_t c = t.nodes[node].first_child; c != sssd::kNoNode; c = t.nodes[c].next_sibling) {
+        queue.push_back({c, id});
+      }
+    }
+  }
+  py::dict d;
+  d["tokens"] = to_numpy(std::move(tokens));
+  d["parents"] = to_numpy(std::move(parents));
+  d["weights"] = to_numpy(std::move(weights));
+  d["total"] = t.empty() ? 0.0 : t.total;
+  d["match_len"] = t.match_len;
+  return d;
+}
+
+sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& factors) {
+  const auto f = borrow<double>(factors, "factors");
+  return sssd::ScoreTable(max_match, max_depth, std::vector<double>(f.begin(), f.end()));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
+  m.doc() = "SSSD native core: suffix-array datastore, request trie, draft-tree merge.";
+
+  py::register_exception<sssd::Error>(m, "SSSDError", PyExc_RuntimeError);
+  py::register_exception<sssd::UnknownRequest>(m, "UnknownRequestError", PyExc_KeyError);
+
+  m.attr("SEPARATOR") = sssd::kSeparator;
+  m.attr("MAX_TOKEN_ID") = sssd::kMaxTokenId;
+  m.attr("MAX_BUDGET") = sssd::kMaxBudget;
+  m.attr("FORMAT_VERSION") = sssd::kFormatVersion;
+  m.attr("TOKENS_FILE") = sssd::kTokensFile;
+  m.attr("SUFFIX_ARRAY_FILE") = sssd::kSuffixArrayFile;
+
+  m.def("build_info", [] {
+    py::dict d;
+#ifdef _OPENMP
+    d["openmp"] = true;
+    d["omp_max_threads"] = omp_get_max_threads();
+#else
+    d["openmp"] = false;
+    d["omp_max_threads"] = 1;
+#endif
+    d["compiler"] = __VERSION__;
+    d["native_arch"] = SSSD_NATIVE_ARCH != 0;
+    d["cxx_standard"] = long(__cplusplus);
+    return d;
+  }, "How this extension was built (OpenMP, threads, compiler, -march=native).");
+
+  m.def("build_suffix_array", [](const py::array& tokens, int num_threads, py::object progress) {
+    const auto text = borrow<sssd::token_t>(tokens, "tokens");
+    ProgressBridge bridge{std::move(progress)};
+    auto cb = bridge.callback();
+    auto run = [&](auto index_tag) -> py::array {
+      using Index = decltype(index_tag);
+      std::vector<Index> sa(text.size());
+      try {
+        py::gil_scoped_release release;
+        sssd::build_suffix_array<Index>(text, sa, num_threads, cb);
+      } catch (const CallbackFailed&) {
+        throw *bridge.error;
+      }
+      return to_numpy(std::move(sa));
+    };
+    if (text.size() < size_t(UINT32_MAX) - 1) return run(uint32_t{});
+    return run(uint64_t{});
+  }, "tokens"_a, "num_threads"_a = 0, "progress"_a = py::none(),
+     "Suffix array of a uint32 token stream (separators sort as distinct symbols, by position).");
+
+  m.def("stream_stats", [](const py::array& tokens, int num_threads) {
+    const auto text = borrow<sssd::token_t>(tokens, "tokens");
+    sssd::StreamStats st;
+    {
+      py::gil_scoped_release release;
+      st = sssd::stream_stats(text, num_threads);
+    }
+    return py::dict("count"_a = st.count, "vocab_size"_a = st.vocab_size,
+                    "num_docs"_a = st.num_docs, "fingerprint"_a = st.fingerprint);
+  }, "tokens"_a, "num_threads"_a = 0);
+
+  py::class_<sssd::DatastoreQuery>(m, "DatastoreQuery")
+      .def(py::init<>())
+      .def_readwrite("max_match", &sssd::DatastoreQuery::max_match)
+      .def_readwrite("min_match", &sssd::DatastoreQuery::min_match)
+      .def_readwrite("max_samples", &sssd::DatastoreQuery::max_samples)
+      .def_readwrite("min_occurrences", &sssd::DatastoreQuery::min_occurrences)
+      .def_readwrite("branch_len", &sssd::DatastoreQuery::branch_len)
+      .def_readwrite("end_token", &sssd::DatastoreQuery::end_token);
+
+  // pybind11 holders cannot be pointer-to-const; the object is immutable anyway.
+  using DatastorePtr = std::shared_ptr<sssd::Datastore>;
+  py::class_<sssd::Datastore, DatastorePtr>(m, "Datastore")
+      .def_static("open", [](const std::string& dir) {
+        py::gil_scoped_release release;
+        return std::const_pointer_cast<sssd::Datastore>(sssd::Datastore::open(dir));
+      }, "directory"_a)
+      .def_static("from_tokens", [](const py::array& tokens, int num_threads) {
+        const auto text = borrow<sssd::token_t>(tokens, "tokens");
+        py::gil_scoped_release release;
+        return std::const_pointer_cast<sssd::Datastore>(sssd::Datastore::from_tokens(text, num_threads));
+      }, "tokens"_a, "num_threads"_a = 0)
+      .def_static("write", [](const py::array& tokens, const std::string& dir, int num_threads,
+                              py::object progress) {
+        const auto text = borrow<sssd::token_t>(tokens, "tokens");
+        ProgressBridge bridge{std::move(progress)};
+        auto cb = bridge.callback();
+        try {
+          py::gil_scoped_release release;
+          sssd::Datastore::write(text, dir, num_threads, cb);
+        } catch (const CallbackFailed&) {
+          throw *bridge.error;
+        }
+      }, "tokens"_a, "directory"_a, "num_threads"_a = 0, "progress"_a = py::none())
+      .def_property_readonly("size", &sssd::Datastore::size)
+      .def_property_readonly("vocab_size", &sssd::Datastore::vocab_size)
+      .def_property_readonly("num_docs", &sssd::Datastore::num_docs)
+      .def_property_readonly("fingerprint", &sssd::Datastore::fingerprint)
+      .def_property_readonly("index_bytes", &sssd::Datastore::index_bytes)
+      .def_property_readonly("mapped", &sssd::Datastore::mapped)
+      .def("tokens", [](py::object self) {
+        const auto& ds = self.cast<const sssd::Datastore&>();
+        return view(ds.tokens().data(), ds.size(), self);
+      }, "Read-only view of the token stream (no copy).")
+      .def("suffix", &sssd::Datastore::suffix, "rank"_a)
+      .def("find", [](const sssd::Datastore& ds, const py::array& pattern) {
+        const auto p = borrow<sssd::token_t>(pattern, "pattern");
+        py::gil_scoped_release release;
+        return ds.find(p);
+      }, "pattern"_a)
+      .def("query", [](const sssd::Datastore& ds, const py::array& context,
+                       const sssd::DatastoreQuery& q) {
+        const auto c = borrow<sssd::token_t>(context, "context");
+        sssd::check_query(q);
+        sssd::ContinuationTree tree;
+        sssd::QueryStats st;
+        {
+          py::gil_scoped_release release;
+          st = ds.query(c, q, tree);
+        }
+        py::dict d = tree_to_dict(tree.view(sssd::Source::kDatastore, st.match_len, q.branch_len));
+        d["occurrences"] = st.occurrences;
+        d["levels"] = st.levels;
+        d["samples"] = st.samples;
+        d["total"] = double(tree.root_weight());
+        return d;
+      }, "context"_a, "params"_a, "The continuation tree for a context, as parent-pointer arrays.");
+
+  py::class_<sssd::RequestTrie>(m, "RequestTrie")
+      .def(py::init<int, size_t>(), "max_depth"_a, "max_nodes"_a = size_t(1) << 24)
+      .def("extend", [](sssd::RequestTrie& t, const py::array& tokens) {
+        t.extend(borrow<sssd::token_t>(tokens, "tokens"));
+      }, "tokens"_a)
+      .def("continuations", [](const sssd::RequestTrie& t, int len) {
+        return tree_to_dict(t.continuations(len));
+      }, "length"_a)
+      .def_property_readonly("size", &sssd::RequestTrie::size)
+      .def_property_readonly("num_nodes", &sssd::RequestTrie::num_nodes)
+      .def_property_readonly("max_depth", &sssd::RequestTrie::max_depth)
+      .def("memory_bytes", &sssd::RequestTrie::memory_bytes)
+      .def("check_integrity", &sssd::RequestTrie::check_integrity);
+
+  py::class_<sssd::ScoreTable>(m, "ScoreTable")
+      .def(py::init(&make_table), "max_match"_a, "max_depth"_a, "factors"_a)
+      .def("__call__", [](const sssd::ScoreTable& t, int source, int match_len, int depth) {
+        SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+        return t(sssd::Source(source), match_len, depth);
+      }, "source"_a, "match_len"_a, "depth"_a)
+      .def_property_readonly("max_match", &sssd::ScoreTable::max_match)
+      .def_property_readonly("max_depth", &sssd::ScoreTable::max_depth);
+
+  py::class_<sssd::DrafterParams>(m, "DrafterParams")
+      .def(py::init<>())
+      .def_readwrite("datastore", &sssd::DrafterParams::datastore)
+      .def_readwrite("use_datastore", &sssd::DrafterParams::use_datastore)
+      .def_readwrite("use_input", &sssd::DrafterParams::use_input)
+      .def_readwrite("input_max_match", &sssd::DrafterParams::input_max_match)
+      .def_readwrite("input_branch_len", &sssd::DrafterParams::input_branch_len)
+      .def_readwrite("input_max_nodes", &sssd::DrafterParams::input_max_nodes)
+      .def_readwrite("scores", &sssd::DrafterParams::scores)
+      .def_readwrite("vocab_size", &sssd::DrafterParams::vocab_size);
+
+  py::class_<sssd::Drafter>(m, "Drafter")
+      .def(py::init<DatastorePtr, sssd::DrafterParams, int>(), "datastore"_a, "params"_a,
+           "num_threads"_a = 0)
+      .def("open", [](sssd::Drafter& d, uint64_t id, const py::array& prompt) {
+        const auto p = borrow<sssd::token_t>(prompt, "prompt");
+        py::gil_scoped_release release;
+        d.open(id, p);
+      }, "request_id"_a, "prompt"_a)
+      .def("extend", [](sssd::Drafter& d, uint64_t id, const py::array& tokens) {
+        const auto t = borrow<sssd::token_t>(tokens, "tokens");
+        py::gil_scoped_release release;
+        d.extend(id, t);
+      }, "request_id"_a, "tokens"_a)
+      .def("close", [](sssd::Drafter& d, uint64_t id) {
+        py::gil_scoped_release release;
+        d.close(id);
+      }, "request_id"_a)
+      .def("__contains__", &sssd::Drafter::contains)
+      .def("__len__", &sssd::Drafter::num_requests)
+      .def("request_ids", &sssd::Drafter::request_ids)
+      .def("context", [](const sssd::Drafter& d, uint64_t id) { return to_numpy(d.context(id)); })
+      .def("request_memory", &sssd::Drafter::request_memory)
+      .def_property_readonly("num_threads", &sssd::Drafter::num_threads)
+      .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
+                       py::object external) {
+        const auto id_span = borrow<uint64_t>(ids, "request_ids");
+        const auto budget_span = borrow<int32_t>(budgets, "budgets");
+        std::optional<sssd::ExternalTrees> ext;
+        py::dict ext_dict;
+        if (!external.is_none()) {
+          ext_dict = external.cast<py::dict>();
+          ext = sssd::ExternalTrees{borrow<int64_t>(ext_dict["offsets"], "external offsets"),
+                                    borrow<sssd::token_t>(ext_dict["tokens"], "external tokens"),
+                                    borrow<int32_t>(ext_dict["parents"], "external parents"),
+                                    borrow<float>(ext_dict["probs"], "external probs")};
+        }
+        sssd::DraftBatch batch;
+        {
+          py::gil_scoped_release release;
+          std::vector<sssd::DraftTree> trees;
+          d.draft(id_span, budget_span, trees, ext ? &*ext : nullptr);
+          batch = sssd::concat(trees);
+        }
+        return draft_batch_to_dict(std::move(batch));
+      }, "request_ids"_a, "budgets"_a, "external"_a = py::none())
+      .def("draft_context", [](const sssd::Drafter& d, const py::array& context, int budget) {
+        const auto c = borrow<sssd::token_t>(context, "prefix");
+        sssd::DraftBatch batch;
+        {
+          py::gil_scoped_release release;
+          batch = sssd::concat({d.draft_context(c, budget)});
+        }
+        return draft_batch_to_dict(std::move(batch));
+      }, "prefix"_a, "budget"_a);
+
+  m.def("merge_trees", [](py::list trees, const sssd::ScoreTable& table, int budget) {
+    // Builds each tree from parent-pointer arrays, then runs the merger.
+    std::vector<sssd::ContinuationTree> owned(trees.size());
+    std::vector<std::vector<float>> probs(trees.size());
+    std::vector<sssd::SourceTree> views;
+    for (size_t i = 0; i < trees.size(); ++i) {
+      py::dict t = trees[i].cast<py::dict>();
+      const auto tok = borrow<sssd::token_t>(t["tokens"], "tokens");
+      const auto par = borrow<int32_t>(t["parents"], "parents");
+      const auto w = borrow<double>(t["weights"], "weights");
+      SSSD_CHECK_ARG(par.size() == tok.size() && w.size() == tok.size(), "tree ", i,
+                     ": tokens, parents and weights differ in length");
+      std::vector<uint32_t> ids(tok.size());
+      for (size_t k = 0; k < tok.size(); ++k) {
+        SSSD_CHECK_ARG(par[k] >= -1 && par[k] < int32_t(k), "tree ", i, ": parent[", k, "] = ", par[k],
+                       " must be -1 or an earlier node");
+        ids[k] = owned[i].child(par[k] < 0 ? 0 : ids[size_t(par[k])], tok[k]);
+        owned[i].nodes()[ids[k]].weight = float(w[k]);
+      }
+      const int source = t["source"].cast<int>();
+      SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+      sssd::SourceTree v = owned[i].view(sssd::Source(source), t["match_len"].cast<int>(),
+                                         t["max_depth"].cast<int>());
+      v.total = t["total"].cast<double>();
+      SSSD_CHECK_ARG(v.total > 0, "tree ", i, ": total must be > 0");
+      views.push_back(v);
+    }
+    SSSD_CHECK_ARG(budget >= 0 && budget <= sssd::kMaxBudget, "budget out of range");
+    sssd::TreeMerger merger;
+    sssd::DraftTree out;
+    merger.merge(views, table, budget, out);
+    return draft_batch_to_dict(sssd::concat({out}));
+  }, "trees"_a, "table"_a, "budget"_a,
+     "Runs the merge on explicit trees (dicts of tokens, parents, weights, total, source, "
+     "match_len, max_depth). For tests and experiments.");
+
+  m.def("best_chains", [](const py::array& offsets, const py::array& parents, const py::array& scores) {
+    const auto off = borrow<int64_t>(offsets, "offsets");
+    const auto par = borrow<int32_t>(parents, "parents");
+    const auto sc = borrow<float>(scores, "scores");
+    SSSD_CHECK_ARG(!off.empty() && off.front() == 0 && size_t(off.back()) == par.size() &&
+                       sc.size() == par.size(),
+                   "offsets must start at 0 and end at len(parents) == len(scores)");
+    std::vector<int64_t> out_off{0};
+    std::vector<int32_t> nodes;
+    for (size_t b = 0; b + 1 < off.size(); ++b) {
+      SSSD_CHECK_ARG(off[b] <= off[b + 1], "offsets must be non-decreasing");
+      const size_t n = size_t(off[b + 1] - off[b]);
+      for (size_t k = 0; k < n; ++k) {
+        const int32_t p = par[size_t(off[b]) + k];
+        SSSD_CHECK_ARG(p >= -1 && p < int32_t(k), "parents must precede their children");
+      }
+      const auto chain = sssd::best_chain(par.data() + off[b], sc.data() + off[b], n);
+      nodes.insert(nodes.end(), chain.begin(), chain.end());
+      out_off.push_back(int64_t(nodes.size()));
+    }
+    return py::make_tuple(to_numpy(std::move(out_off)), to_numpy(std::move(nodes)));
+  }, "offsets"_a, "parents"_a, "scores"_a,
+     "Per tree, the chain with the largest sum of scores (request-local node indices).");
+}

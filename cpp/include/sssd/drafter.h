@@ -1,0 +1,114 @@
+// Drafter: the SSSD drafting engine. Owns one RequestTrie per open request,
+// shares one read-only Datastore, and drafts a whole batch in one call,
+// parallel over requests with OpenMP.
+//
+// Thread safety: every method may be called from several threads at once.
+// draft() and the other const methods share a reader lock; open(), extend()
+// and close() take it exclusively (they are O(tokens) and short).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "sssd/datastore.h"
+#include "sssd/draft_tree.h"
+#include "sssd/request_trie.h"
+#include "sssd/score_table.h"
+
+namespace sssd {
+
+/// Largest draft budget accepted (nodes per request per step).
+inline constexpr int kMaxBudget = 4096;
+
+struct DrafterParams {
+  DatastoreQuery datastore;          ///< datastore source retrieval
+  bool use_datastore = true;         ///< draft from the datastore (if one is attached)
+  bool use_input = true;             ///< draft from the request's own tokens
+  int input_max_match = 4;           ///< P: longest context suffix matched in the input
+  int input_branch_len = 16;         ///< longest input continuation
+  size_t input_max_nodes = size_t(1) << 22;  ///< per-request trie cap (<= ~100 B/node)
+  ScoreTable scores;                 ///< discounts of the merge
+  uint64_t vocab_size = 0;           ///< token ids must be < this (0: any id < 2^32 - 1)
+};
+
+/// Caller-supplied draft trees for a batch (e.g. from a model drafter), in
+/// CSR form: request b owns entries [offsets[b], offsets[b+1]). Parents index
+/// within the request's slice (-1: root) and precede their children; probs
+/// are conditional q(token | parent path) in [0, 1].
+struct ExternalTrees {
+  std::span<const int64_t> offsets;
+  std::span<const token_t> tokens;
+  std::span<const int32_t> parents;
+  std::span<const float> probs;
+};
+
+/// Validates drafter parameters; throws std::invalid_argument naming the field.
+void check_params(const DrafterParams& p);
+
+class Drafter {
+ public:
+  /// `datastore` may be null (input source only).
+  Drafter(std::shared_ptr<const Datastore> datastore, DrafterParams params, int num_threads = 0);
+
+  /// Starts request `id` with its prompt. Throws std::invalid_argument if the
+  /// id is already open or a token is outside the vocabulary.
+  void open(uint64_t id, std::span<const token_t> prompt);
+  /// Appends accepted tokens to request `id`. Throws UnknownRequest if unknown.
+  void extend(uint64_t id, std::span<const token_t> tokens);
+  /// Ends request `id` and frees its state. Throws UnknownRequest if unknown.
+  void close(uint64_t id);
+
+  bool contains(uint64_t id) const;
+  size_t num_requests() const;
+  std::vector<uint64_t> request_ids() const;
+  /// Tokens of request `id` so far (a copy).
+  std::vector<token_t> context(uint64_t id) const;
+  /// Bytes held by request `id`'s trie.
+  size_t request_memory(uint64_t id) const;
+
+  /// Drafts for requests ids[b] with budgets[b] (0 <= budget <= kMaxBudget)
+  /// into out[b]. `external`, if given, adds one more source per request.
+  /// Throws UnknownRequest for an unknown id, std::invalid_argument for a
+  /// bad budget or a malformed external tree; `out` is then unspecified.
+  void draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
+             std::vector<DraftTree>& out, const ExternalTrees* external = nullptr) const;
+
+  /// Drafts once for a context that is not an open request (its trie is
+  /// built for this call only).
+  DraftTree draft_context(std::span<const token_t> context, int budget) const;
+
+  const DrafterParams& params() const { return params_; }
+  const std::shared_ptr<const Datastore>& datastore() const { return datastore_; }
+  int num_threads() const { return threads_; }
+
+  /// Throws std::invalid_argument naming the first token id outside the
+  /// vocabulary (or the separator id).
+  void check_tokens(std::span<const token_t> tokens, const char* what) const;
+
+ private:
+  struct Scratch;
+  /// One open request: its trie and its datastore match cache. `match_mu`
+  /// guards the cache when two threads draft the same request at once.
+  struct Request {
+    explicit Request(std::unique_ptr<RequestTrie> t) : trie(std::move(t)) {}
+    std::unique_ptr<RequestTrie> trie;
+    MatchCache match;
+    std::mutex match_mu;
+  };
+  void draft_one(const RequestTrie& trie, MatchCache* match, int budget, const ExternalTrees* external,
+                 size_t b, Scratch& scratch, DraftTree& out) const;
+  std::unique_ptr<RequestTrie> make_trie() const;
+
+  std::shared_ptr<const Datastore> datastore_;
+  DrafterParams params_;
+  int threads_;
+  mutable std::shared_mutex mu_;
+  std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
+};
+
+}  // namespace sssd

@@ -1,0 +1,238 @@
+#include "sssd/drafter.h"
+
+#include <cmath>
+#include <mutex>
+
+#include "sssd/check.h"
+#include "sssd/continuation_tree.h"
+#include "sssd/parallel.h"
+#include "sssd/tree_merger.h"
+
+namespace sssd {
+
+// Per-thread buffers reused across the requests of a batch.
+struct Drafter::Scratch {
+  ContinuationTree datastore_tree;
+  ContinuationTree external_tree;
+  std::vector<float> external_q;
+  std::vector<SourceTree> trees;
+  TreeMerger merger;
+};
+
+void check_params(const DrafterParams& p) {
+  check_query(p.datastore);
+  SSSD_CHECK_ARG(p.input_max_match >= 1 && p.input_max_match <= 64,
+                 "input_max_match must be in [1, 64], got ", p.input_max_match);
+  SSSD_CHECK_ARG(p.input_branch_len >= 1 && p.input_branch_len <= 255,
+                 "input_branch_len must be in [1, 255], got ", p.input_branch_len);
+  SSSD_CHECK_ARG(p.input_max_nodes >= 1, "input_max_nodes must be >= 1");
+  SSSD_CHECK_ARG(p.vocab_size <= uint64_t(kMaxTokenId) + 1, "vocab_size must be <= 2^32 - 1, got ",
+                 p.vocab_size);
+}
+
+Drafter::Drafter(std::shared_ptr<const Datastore> datastore, DrafterParams params, int num_threads)
+    : datastore_(std::move(datastore)), params_(std::move(params)), threads_(resolve_threads(num_threads)) {
+  check_params(params_);
+  SSSD_CHECK_ARG(num_threads >= 0, "num_threads must be >= 0 (0: OpenMP default), got ", num_threads);
+}
+
+void Drafter::check_tokens(std::span<const token_t> tokens, const char* what) const {
+  const uint64_t limit = params_.vocab_size ? params_.vocab_size : uint64_t(kMaxTokenId) + 1;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= limit) {
+      throw std::invalid_argument(detail::concat(
+          what, "[", i, "] = ", tokens[i], " is outside the vocabulary (ids must be < ", limit, ")",
+          tokens[i] == kSeparator ? "; it is the document separator id" : ""));
+    }
+  }
+}
+
+std::unique_ptr<RequestTrie> Drafter::make_trie() const {
+  // Without the input source the trie stores no n-grams, only the context.
+  return params_.use_input
+             ? std::make_unique<RequestTrie>(params_.input_max_match + params_.input_branch_len,
+                                             params_.input_max_nodes)
+             : std::make_unique<RequestTrie>(2, 1);
+}
+
+void Drafter::open(uint64_t id, std::span<const token_t> prompt) {
+  check_tokens(prompt, "prompt");
+  auto trie = make_trie();
+  trie->extend(prompt);
+  std::unique_lock lock(mu_);
+  SSSD_CHECK_ARG(!requests_.count(id), "request ", id, " is already open");
+  requests_.emplace(id, std::make_unique<Request>(std::move(trie)));
+}
+
+void Drafter::extend(uint64_t id, std::span<const token_t> tokens) {
+  check_tokens(tokens, "tokens");
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
+  it->second->trie->extend(tokens);
+}
+
+void Drafter::close(uint64_t id) {
+  std::unique_ptr<Request> victim;  // freed outside the lock
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
+  victim = std::move(it->second);
+  requests_.erase(it);
+}
+
+bool Drafter::contains(uint64_t id) const {
+  std::shared_lock lock(mu_);
+  return requests_.count(id) != 0;
+}
+
+size_t Drafter::num_requests() const {
+  std::shared_lock lock(mu_);
+  return requests_.size();
+}
+
+std::vector<uint64_t> Drafter::request_ids() const {
+  std::shared_lock lock(mu_);
+  std::vector<uint64_t> ids;
+  ids.reserve(requests_.size());
+  for (const auto& kv : requests_) ids.push_back(kv.first);
+  return ids;
+}
+
+std::vector<token_t> Drafter::context(uint64_t id) const {
+  std::shared_lock lock(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
+  const auto t = it->second->trie->tokens();
+  return {t.begin(), t.end()};
+}
+
+size_t Drafter::request_memory(uint64_t id) const {
+  std::shared_lock lock(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
+  return it->second->trie->memory_bytes();
+}
+
+void Drafter::draft_one(const RequestTrie& trie, MatchCache* match, int budget,
+                        const ExternalTrees* external, size_t b, Scratch& s, DraftTree& out) const {
+  s.trees.clear();
+  if (budget > 0) {
+    const std::span<const token_t> context = trie.tokens();
+    if (params_.use_datastore && datastore_) {
+      const QueryStats qs = datastore_->query(context, params_.datastore, s.datastore_tree, match);
+      if (qs.match_len > 0) {
+        s.trees.push_back(s.datastore_tree.view(Source::kDatastore, qs.match_len, params_.datastore.branch_len));
+      }
+    }
+    if (params_.use_input) {
+      const int longest = int(std::min<size_t>(context.size(), size_t(params_.input_max_match)));
+      for (int len = longest; len >= 1; --len) {
+        SourceTree t = trie.continuations(len);
+        if (!t.empty()) {
+          t.max_depth = std::min(t.max_depth, params_.input_branch_len);
+          s.trees.push_back(t);
+        }
+      }
+    }
+    if (external) {
+      const int64_t begin = external->offsets[b], end = external->offsets[b + 1];
+      s.external_tree.clear();
+      s.external_q.assign(1, std::nanf(""));
+      // Node i of the slice becomes tree node ids[i]; weight = path probability.
+      std::vector<uint32_t> ids(size_t(end - begin));
+      std::vector<double> path(size_t(end - begin));
+      for (int64_t i = begin; i < end; ++i) {
+        const size_t k = size_t(i - begin);
+        const int32_t p = external->parents[size_t(i)];
+        const double q = external->probs[size_t(i)];
+        const uint32_t parent_node = p < 0 ? 0 : ids[size_t(p)];
+        ids[k] = s.external_tree.child(parent_node, external->tokens[size_t(i)]);
+        path[k] = (p < 0 ? 1.0 : path[size_t(p)]) * q;
+        s.external_tree.nodes()[ids[k]].weight = float(path[k]);
+        s.external_q.resize(s.external_tree.nodes().size(), std::nanf(""));
+        s.external_q[ids[k]] = float(q);
+      }
+      if (end > begin) {
+        SourceTree t = s.external_tree.view(Source::kExternal, 0, kMaxBudget);
+        t.total = 1.0;
+        t.draft_probs = s.external_q.data();
+        s.trees.push_back(t);
+      }
+    }
+  }
+  s.merger.merge(s.trees, params_.scores, budget, out);
+}
+
+void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
+                    std::vector<DraftTree>& out, const ExternalTrees* external) const {
+  const size_t n = ids.size();
+  SSSD_CHECK_ARG(budgets.size() == n, "got ", n, " request ids but ", budgets.size(), " budgets");
+  for (size_t b = 0; b < n; ++b) {
+    SSSD_CHECK_ARG(budgets[b] >= 0 && budgets[b] <= kMaxBudget, "budget[", b, "] = ", budgets[b],
+                   " is outside [0, ", kMaxBudget, "]");
+  }
+  if (external) {
+    SSSD_CHECK_ARG(external->offsets.size() == n + 1, "external offsets must have ", n + 1,
+                   " entries, got ", external->offsets.size());
+    const size_t total = external->tokens.size();
+    SSSD_CHECK_ARG(external->parents.size() == total && external->probs.size() == total,
+                   "external tokens, parents and probs must have the same length");
+    SSSD_CHECK_ARG(external->offsets[0] == 0 && size_t(external->offsets[n]) == total,
+                   "external offsets must start at 0 and end at the number of nodes");
+    for (size_t b = 0; b < n; ++b) {
+      const int64_t begin = external->offsets[b], end = external->offsets[b + 1];
+      SSSD_CHECK_ARG(begin <= end, "external offsets must be non-decreasing");
+      for (int64_t i = begin; i < end; ++i) {
+        const int32_t p = external->parents[size_t(i)];
+        SSSD_CHECK_ARG(p >= -1 && p < int32_t(i - begin), "external parent[", i, "] = ", p,
+                       " must be -1 or an earlier node of the same request");
+        const float q = external->probs[size_t(i)];
+        SSSD_CHECK_ARG(q >= 0.0f && q <= 1.0f, "external prob[", i, "] = ", q, " is outside [0, 1]");
+      }
+    }
+    check_tokens(external->tokens, "external tokens");
+  }
+
+  std::shared_lock lock(mu_);
+  std::vector<Request*> reqs(n);
+  for (size_t b = 0; b < n; ++b) {
+    auto it = requests_.find(ids[b]);
+    if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", ids[b]));
+    reqs[b] = it->second.get();
+  }
+  out.resize(n);
+  // One request costs a few microseconds: below a few requests per thread,
+  // starting the team costs more than it saves.
+  const int threads = n >= 4 ? std::min<int>(threads_, int(n)) : 1;
+  ExceptionCapture capture;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t b = 0; b < n; ++b) {
+      capture.run([&] {
+        Request& r = *reqs[b];
+        // The match cache serves one drafting thread at a time; a concurrent
+        // draft of the same request searches without it.
+        std::unique_lock cache_lock(r.match_mu, std::try_to_lock);
+        draft_one(*r.trie, cache_lock ? &r.match : nullptr, budgets[b], external, b, scratch, out[b]);
+      });
+    }
+  }
+  capture.rethrow();
+}
+
+DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) const {
+  SSSD_CHECK_ARG(budget >= 0 && budget <= kMaxBudget, "budget = ", budget, " is outside [0, ",
+                 kMaxBudget, "]");
+  check_tokens(context, "prefix");
+  const auto trie = make_trie();
+  trie->extend(context);
+  Scratch scratch;
+  DraftTree out;
+  draft_one(*trie, nullptr, budget, nullptr, 0, scratch, out);
+  return out;
+}
+
+}  // namespace sssd
