@@ -1,0 +1,63 @@
+"""SSSD: Simply-Scalable Speculative Decoding.
+
+Draft token trees on the CPU from a suffix-array datastore and the request's
+own tokens, merged by calibrated priority (paper: Marzollo et al., "SSSD:
+Simply-Scalable Speculative Decoding").
+
+Quick use::
+
+    import sssd
+    tree = sssd.draft(prefix_ids)          # DraftTree from the default datastore
+    drafter = sssd.Drafter(datastore)      # stateful, batched, for engines
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from sssd import _core
+from sssd._core import SSSDError, UnknownRequestError
+from sssd.config import (
+    SOURCE_DATASTORE,
+    SOURCE_EXTERNAL,
+    SOURCE_INPUT,
+    SOURCE_NAMES,
+    DiscountParams,
+    DrafterConfig,
+    SourceDiscount,
+)
+from sssd.datastore import SEPARATOR, Datastore, DatastoreError
+from sssd.drafter import DEFAULT, Drafter, default_datastore_path, draft
+from sssd.tree import DraftBatch, DraftTree, ancestor_mask
+
+try:
+    __version__ = _version("sssd")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0.0.0+unknown"
+
+
+def build_info() -> dict:
+    """How the native extension was built (OpenMP, threads, compiler)."""
+    return dict(_core.build_info(), version=__version__)
+
+
+__all__ = [
+    "DEFAULT",
+    "SEPARATOR",
+    "SOURCE_DATASTORE",
+    "SOURCE_EXTERNAL",
+    "SOURCE_INPUT",
+    "SOURCE_NAMES",
+    "Datastore",
+    "DatastoreError",
+    "DiscountParams",
+    "DraftBatch",
+    "DraftTree",
+    "Drafter",
+    "DrafterConfig",
+    "SSSDError",
+    "SourceDiscount",
+    "UnknownRequestError",
+    "ancestor_mask",
+    "build_info",
+    "default_datastore_path",
+    "draft",
+]

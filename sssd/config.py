@@ -1,0 +1,198 @@
+"""Drafter configuration: retrieval parameters and the merge's discounts.
+
+Defaults follow the paper (section 3.1) where it gives values: input prefix
+length P = 4, M = 100 sampled continuations. The discounts are sensible
+starting points; ``sssd calibrate`` fits better ones for a model and budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sssd import _core
+
+#: Source tags of draft nodes (DraftTree.sources).
+SOURCE_DATASTORE = 0
+SOURCE_INPUT = 1
+SOURCE_EXTERNAL = 2
+SOURCE_NAMES = {SOURCE_DATASTORE: "datastore", SOURCE_INPUT: "input", SOURCE_EXTERNAL: "external"}
+
+
+@dataclass(frozen=True)
+class SourceDiscount:
+    """Discount of one source: scale * depth_decay**(depth-1) * match_damping**shortfall.
+
+    Attributes:
+        scale: overall weight of the source relative to the others.
+        depth_decay: extra factor per level below the first (the probabilities
+            already fall with depth; this corrects over/under-confidence).
+        match_damping: factor per token that the matched context falls short
+            of ``full_match`` (short matches are less reliable).
+        full_match: match length at and above which no damping applies.
+    """
+
+    scale: float = 1.0
+    depth_decay: float = 1.0
+    match_damping: float = 1.0
+    full_match: int = 1
+
+    def factor(self, match_len: int, depth: int) -> float:
+        shortfall = max(0, self.full_match - match_len)
+        return self.scale * self.depth_decay ** (depth - 1) * self.match_damping**shortfall
+
+
+@dataclass(frozen=True)
+class DiscountParams:
+    """Per-source discounts of the merge (paper, section 3.1.3).
+
+    The input source (prompt + generated tokens) is overconfident: when a
+    prefix was seen only once or twice in the input, its few continuations get
+    probabilities near 1. So it is scaled down and damped for short matches.
+    """
+
+    datastore: SourceDiscount = SourceDiscount(scale=1.0, depth_decay=1.0, match_damping=0.85, full_match=6)
+    input: SourceDiscount = SourceDiscount(scale=0.6, depth_decay=0.95, match_damping=0.7, full_match=4)
+    external: SourceDiscount = SourceDiscount(scale=1.0, depth_decay=1.0, match_damping=1.0, full_match=0)
+    #: Optional explicit table [source][match_len][depth] (from calibration); overrides the above.
+    table: tuple | None = None
+
+    def score_table(self, max_match: int, max_depth: int) -> _core.ScoreTable:
+        """The dense discount table the C++ merge reads."""
+        if self.table is not None:
+            arr = np.asarray(self.table, dtype=np.float64)
+            if arr.ndim != 3 or arr.shape[0] != 3:
+                raise ValueError(f"discount table must have shape (3, M+1, D+1), got {arr.shape}")
+            return _core.ScoreTable(arr.shape[1] - 1, arr.shape[2] - 1, np.ascontiguousarray(arr.ravel()))
+        arr = np.zeros((3, max_match + 1, max_depth + 1), dtype=np.float64)
+        for s, disc in enumerate((self.datastore, self.input, self.external)):
+            for m in range(max_match + 1):
+                for d in range(1, max_depth + 1):
+                    arr[s, m, d] = disc.factor(m, d)
+        return _core.ScoreTable(max_match, max_depth, arr.ravel())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiscountParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown discount fields: {sorted(unknown)}")
+        kw: dict[str, Any] = {}
+        for name in ("datastore", "input", "external"):
+            if name in d:
+                kw[name] = SourceDiscount(**d[name])
+        if d.get("table") is not None:
+            kw["table"] = tuple(map(tuple, (tuple(map(tuple, m)) for m in d["table"])))
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """All knobs of the drafter. Every field has a documented default.
+
+    Attributes:
+        budget: draft tree size (candidate tokens per request per step; the
+            paper's dec_len minus the root).
+        datastore_max_match: longest context suffix searched in the datastore.
+        datastore_min_match: shortest context suffix the datastore backs off to.
+        max_samples: M, continuations sampled per suffix length (paper: 100).
+        min_occurrences: back off to shorter suffixes while the occurrences of
+            the suffixes used so far are below this.
+        datastore_branch_len: longest datastore continuation (tree depth).
+        input_max_match: P, longest context suffix matched in the input (paper: 4).
+        input_branch_len: longest input continuation.
+        use_datastore / use_input: enable each source.
+        end_token: token drafted where a datastore document ends (e.g. the
+            chat template's end-of-turn id); None: documents end the draft.
+        vocab_size: token ids must be below this (None: the datastore's
+            tokenizer vocabulary if known, else any id < 2^32 - 1).
+        input_max_nodes: cap on a request's trie nodes (up to ~100 bytes each).
+        num_threads: OpenMP threads for batch drafting (0: all cores).
+        discounts: the merge's per-source discounts.
+    """
+
+    budget: int = 32
+    datastore_max_match: int = 16
+    datastore_min_match: int = 1
+    max_samples: int = 100
+    min_occurrences: int = 20
+    datastore_branch_len: int = 16
+    input_max_match: int = 4
+    input_branch_len: int = 16
+    use_datastore: bool = True
+    use_input: bool = True
+    end_token: int | None = None
+    vocab_size: int | None = None
+    input_max_nodes: int = 1 << 22
+    num_threads: int = 0
+    discounts: DiscountParams = field(default_factory=DiscountParams)
+
+    def __post_init__(self) -> None:
+        ints = {f.name for f in dataclasses.fields(self) if f.type in ("int", int)}
+        for name in ints:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"DrafterConfig.{name} must be an int, got {v!r}")
+        if not 0 <= self.budget <= int(_core.MAX_BUDGET):
+            raise ValueError(f"budget must be in [0, {int(_core.MAX_BUDGET)}], got {self.budget}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.end_token is not None and not 0 <= self.end_token <= int(_core.MAX_TOKEN_ID):
+            raise ValueError(f"end_token must be a token id, got {self.end_token}")
+        # The remaining ranges are checked by the C++ core with precise messages.
+        self.native_params()
+
+    def replace(self, **changes: Any) -> DrafterConfig:
+        return dataclasses.replace(self, **changes)
+
+    def native_params(self, vocab_size: int | None = None) -> _core.DrafterParams:
+        """The C++ parameter object (vocab_size fills in a missing one)."""
+        q = _core.DatastoreQuery()
+        q.max_match = self.datastore_max_match
+        q.min_match = self.datastore_min_match
+        q.max_samples = self.max_samples
+        q.min_occurrences = self.min_occurrences
+        q.branch_len = self.datastore_branch_len
+        q.end_token = -1 if self.end_token is None else self.end_token
+        p = _core.DrafterParams()
+        p.datastore = q
+        p.use_datastore = self.use_datastore
+        p.use_input = self.use_input
+        p.input_max_match = self.input_max_match
+        p.input_branch_len = self.input_branch_len
+        p.input_max_nodes = self.input_max_nodes
+        p.vocab_size = self.vocab_size or vocab_size or 0
+        max_match = max(self.datastore_max_match, self.input_max_match)
+        max_depth = max(self.datastore_branch_len, self.input_branch_len)
+        p.scores = self.discounts.score_table(max_match, max_depth)
+        _core.Drafter(None, p, 1)  # validates every field, raising ValueError
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown drafter config fields: {sorted(unknown)}")
+        d = dict(d)
+        if "discounts" in d and isinstance(d["discounts"], dict):
+            d["discounts"] = DiscountParams.from_dict(d["discounts"])
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> DrafterConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

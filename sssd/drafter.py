@@ -1,0 +1,222 @@
+"""The drafting API: a stateful batch Drafter for engines, and ``sssd.draft``.
+
+An engine opens one request per sequence with its prompt, appends the tokens
+it accepts after each step, drafts the whole batch in one call (parallel over
+requests in C++, GIL released), and closes requests when they finish::
+
+    drafter = sssd.Drafter(datastore)            # or Drafter() for the default
+    drafter.open(7, prompt_ids)
+    batch = drafter.draft([7], budgets=[32])     # DraftBatch
+    drafter.extend(7, accepted_ids)
+    drafter.close(7)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from sssd import _core
+from sssd._tokens import as_tokens
+from sssd.config import DrafterConfig
+from sssd.datastore import Datastore
+from sssd.tree import DraftBatch, DraftTree
+
+#: Marker for "use the default datastore".
+DEFAULT = "default"
+
+
+def default_datastore_path() -> Path:
+    """Where the default datastore lives: $SSSD_DATASTORE, else the user cache."""
+    env = os.environ.get("SSSD_DATASTORE")
+    if env:
+        return Path(env).expanduser()
+    cache = Path(os.environ.get("SSSD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sssd")
+    return cache / "datastores" / "sharegpt-smollm2"
+
+
+def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | None:
+    """A Datastore from an instance, a path, DEFAULT, or None (no datastore)."""
+    if datastore is None or isinstance(datastore, Datastore):
+        return datastore
+    if isinstance(datastore, str) and datastore == DEFAULT:
+        path = default_datastore_path()
+        if not (path / "manifest.json").exists():
+            raise FileNotFoundError(
+                f"the default datastore is not built yet (looked in {path}).\n"
+                "Build it with:  sssd build --default\n"
+                "or point SSSD_DATASTORE at a datastore directory."
+            )
+        return Datastore.open(path)
+    if isinstance(datastore, (str, Path)):
+        return Datastore.open(datastore)
+    raise TypeError(f"datastore must be a Datastore, a path, 'default' or None, got {type(datastore).__name__}")
+
+
+def _request_ids(ids: Any) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"request ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"request ids must be >= 0, got {int(arr.min())}")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def _request_id(rid: Any) -> int:
+    if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)):
+        raise TypeError(f"request id must be an int, got {type(rid).__name__}")
+    if not 0 <= int(rid) < 2**64:
+        raise ValueError(f"request id must be in [0, 2^64), got {rid}")
+    return int(rid)
+
+
+class Drafter:
+    """Batched SSSD drafter: datastore + per-request input tries + merge.
+
+    Thread-safe: engine threads may open, extend, close and draft
+    concurrently. Drafting runs in C++ with the GIL released.
+
+    Args:
+        datastore: a Datastore, a datastore directory, DEFAULT ("default") for
+            the default datastore, or None to draft from the input only.
+        config: a DrafterConfig (defaults: the paper's).
+        **overrides: DrafterConfig fields replacing those of ``config``.
+    """
+
+    def __init__(self, datastore: Datastore | str | Path | None = DEFAULT, config: DrafterConfig | None = None, **overrides: Any):
+        self.config = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
+        self.datastore = resolve_datastore(datastore) if self.config.use_datastore else None
+        vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
+        params = self.config.native_params(vocab)
+        self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
+
+    # -- request lifecycle ------------------------------------------------
+    def open(self, request_id: int, prompt: Any) -> None:
+        """Starts a request with its prompt (a non-empty sequence of token ids)."""
+        self._native.open(_request_id(request_id), as_tokens(prompt, "prompt", allow_empty=False))
+
+    def extend(self, request_id: int, tokens: Any) -> None:
+        """Appends tokens the target model accepted (or generated) to a request."""
+        self._native.extend(_request_id(request_id), as_tokens(tokens, "tokens"))
+
+    def close(self, request_id: int) -> None:
+        """Ends a request and frees its state."""
+        self._native.close(_request_id(request_id))
+
+    @contextmanager
+    def request(self, request_id: int, prompt: Any) -> Iterator[int]:
+        """Context manager that opens a request and always closes it."""
+        self.open(request_id, prompt)
+        try:
+            yield request_id
+        finally:
+            self.close(request_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, (int, np.integer)) and 0 <= int(request_id) < 2**64 and int(request_id) in self._native
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def request_ids(self) -> list[int]:
+        return sorted(self._native.request_ids())
+
+    def context(self, request_id: int) -> np.ndarray:
+        """The request's tokens so far (prompt + appended), uint32."""
+        return self._native.context(_request_id(request_id))
+
+    def request_memory(self, request_id: int) -> int:
+        """Bytes held by the request's input trie."""
+        return int(self._native.request_memory(_request_id(request_id)))
+
+    # -- drafting -----------------------------------------------------------
+    def draft(self, request_ids: Sequence[int] | np.ndarray, budgets: int | Sequence[int] | np.ndarray | None = None,
+              external: DraftBatch | None = None) -> DraftBatch:
+        """Drafts one tree per request, in one parallel call.
+
+        Args:
+            request_ids: open requests to draft for.
+            budgets: nodes per tree: one int for all, one per request, or None
+                for config.budget. 0 gives an empty draft.
+            external: optional extra source, one tree per request (e.g. from a
+                model drafter), whose ``draft_probs`` are conditional
+                probabilities q(token | parent path); merged by priority.
+
+        Raises:
+            KeyError: an id is not open. ValueError: a budget is out of range.
+        """
+        ids = _request_ids(request_ids)
+        if budgets is None:
+            budgets = self.config.budget
+        b = np.asarray(budgets)
+        if b.dtype.kind not in "iu":
+            raise TypeError(f"budgets must be integers, got dtype {b.dtype}")
+        if b.ndim == 0:
+            b = np.full(ids.shape[0], int(b))
+        if b.shape != ids.shape:
+            raise ValueError(f"got {ids.shape[0]} request ids but {b.shape[0]} budgets")
+        if b.size and (int(b.min()) < 0 or int(b.max()) > int(_core.MAX_BUDGET)):
+            raise ValueError(f"budgets must be in [0, {int(_core.MAX_BUDGET)}], got {int(b.min())}..{int(b.max())}")
+        ext = None
+        if external is not None:
+            if len(external) != ids.shape[0]:
+                raise ValueError(f"external drafts cover {len(external)} requests, expected {ids.shape[0]}")
+            ext = {
+                "offsets": np.ascontiguousarray(external.offsets, dtype=np.int64),
+                "tokens": as_tokens(external.tokens, "external tokens"),
+                "parents": np.ascontiguousarray(external.parents, dtype=np.int32),
+                "probs": np.ascontiguousarray(external.draft_probs, dtype=np.float32),
+            }
+        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b, dtype=np.int32), ext))
+
+    def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:
+        """Drafts once for a token prefix without opening a request."""
+        budget = self.config.budget if budget is None else budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+            raise TypeError(f"budget must be an int, got {type(budget).__name__}")
+        batch = DraftBatch.from_native(self._native.draft_context(as_tokens(prefix, "prefix", allow_empty=False), int(budget)))
+        return batch[0]
+
+    def __repr__(self) -> str:
+        return f"Drafter({self.datastore!r}, {len(self)} open requests, budget={self.config.budget})"
+
+
+_cache_lock = threading.Lock()
+_cached: dict[tuple, Drafter] = {}
+
+
+def draft(prefix: Any, budget: int | None = None, *, datastore: Datastore | str | Path | None = DEFAULT,
+          config: DrafterConfig | None = None, **overrides: Any) -> DraftTree:
+    """Drafts a token tree continuing ``prefix`` (the library call ``sssd.draft``).
+
+    Sources: the datastore (default: the default datastore) and the prefix
+    itself as the input source; merged as in the paper's Algorithm 1.
+
+    Args:
+        prefix: non-empty sequence of token ids; its last token is the tree's root.
+        budget: candidate tokens in the tree (default: config.budget = 32).
+        datastore: Datastore, directory, "default", or None (input source only).
+        config / overrides: DrafterConfig and field overrides.
+
+    Returns:
+        A DraftTree (flat numpy arrays: tokens, parents, depths, scores, sources).
+    """
+    cfg = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
+    key = (str(datastore) if isinstance(datastore, Path) else datastore, cfg)
+    with _cache_lock:
+        drafter = _cached.get(key)
+        if drafter is None:
+            drafter = Drafter(datastore, cfg)
+            if len(_cached) >= 8:
+                _cached.pop(next(iter(_cached)))
+            _cached[key] = drafter
+    return drafter.draft_prefix(prefix, budget)
