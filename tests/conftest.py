@@ -1,0 +1,79 @@
+"""Shared fixtures: small seeded corpora, synthetic and real."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+
+import numpy as np
+import pytest
+
+import sssd
+
+SEP = sssd.SEPARATOR
+
+
+def random_corpus(rng: np.random.Generator, n_docs: int, vocab: int, max_len: int = 40, repeat: float = 0.3) -> np.ndarray:
+    """Documents of Zipf-ish tokens with copied phrases (so that matches exist)."""
+    docs: list[list[int]] = []
+    for _ in range(n_docs):
+        n = int(rng.integers(1, max_len))
+        doc: list[int] = []
+        while len(doc) < n:
+            if docs and rng.random() < repeat:
+                src = docs[int(rng.integers(len(docs)))]
+                a = int(rng.integers(len(src)))
+                doc.extend(src[a : a + int(rng.integers(2, 8))])
+            else:
+                doc.append(int(min(vocab - 1, rng.zipf(1.3) - 1)))
+        docs.append(doc[:n])
+    out: list[int] = []
+    for d in docs:
+        out.extend(d)
+        out.append(SEP)
+    return np.array(out, dtype=np.uint32)
+
+
+def word_corpus() -> tuple[np.ndarray, dict[str, int]]:
+    """A real-text corpus: docstrings and source of a few stdlib modules,
+    split into words and mapped to ids (one document per function)."""
+    import argparse
+    import json as json_mod
+    import textwrap
+
+    vocab: dict[str, int] = {}
+    out: list[int] = []
+    for mod in (argparse, textwrap, json_mod.decoder):
+        for _, fn in inspect.getmembers(mod, inspect.isfunction):
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            words = re.findall(r"\w+|[^\w\s]", src)
+            out.extend(vocab.setdefault(w, len(vocab)) for w in words)
+            out.append(SEP)
+    return np.array(out, dtype=np.uint32), vocab
+
+
+@pytest.fixture(scope="session")
+def words():
+    return word_corpus()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def small_datastore_dir(tmp_path_factory):
+    """A datastore on disk built from the word corpus."""
+    tokens, _ = word_corpus()
+    path = tmp_path_factory.mktemp("ds") / "words"
+    sssd.Datastore.build(tokens, path, metadata={"source": {"kind": "test"}})
+    return path
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, default=str)

@@ -1,0 +1,218 @@
+"""Datastore queries against brute force; the on-disk format and its failure modes."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sssd
+from sssd import _core
+
+from conftest import random_corpus
+from reference import SEP, datastore_query, occurrences, suffix_array, tree_to_paths
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), plen=st.integers(1, 4))
+def test_find_counts_match_naive_scan(seed, plen):
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 20, vocab=12)
+    ds = sssd.Datastore.from_tokens(tokens)
+    t = tokens.tolist()
+    start = int(rng.integers(0, len(t) - plen + 1))
+    pattern = t[start : start + plen]
+    if SEP in pattern:
+        pattern = [x for x in pattern if x != SEP] or [0]
+    lo, hi = ds.find(pattern)
+    occ = occurrences(t, pattern)
+    assert hi - lo == len(occ)
+    assert sorted(ds.positions(pattern).tolist()) == occ
+
+
+query_params = st.fixed_dictionaries(
+    {
+        "max_match": st.integers(1, 6),
+        "max_samples": st.integers(1, 12),
+        "min_occurrences": st.integers(0, 30),
+        "branch_len": st.integers(1, 6),
+        "end_token": st.sampled_from([-1, 999]),
+    }
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), params=query_params, ctx_len=st.integers(1, 8))
+def test_query_matches_reference(seed, params, ctx_len):
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 25, vocab=10)
+    t = tokens.tolist()
+    ds = sssd.Datastore.from_tokens(tokens)
+    context = [int(x) for x in rng.integers(0, 10, ctx_len)]
+    got = ds.query(context, min_match=1, **params)
+    want, match_len, total = datastore_query(t, suffix_array(t), context, min_match=1, **params)
+    assert got["match_len"] == match_len
+    assert got["total"] == total
+    assert tree_to_paths(got) == want
+
+
+def test_continuations_never_cross_separators(rng):
+    tokens = random_corpus(rng, 200, vocab=8)
+    t = tokens.tolist()
+    ds = sssd.Datastore.from_tokens(tokens)
+    docs = " ".join(map(str, t)).split(str(SEP))
+    for _ in range(50):
+        ctx = [int(x) for x in rng.integers(0, 8, 3)]
+        d = ds.query(ctx, max_match=3, branch_len=8, min_occurrences=1000)
+        for path in tree_to_paths(d):
+            # some matched suffix (backoff merges several) + path lies inside one document
+            seqs = [" ".join(map(str, ctx[3 - L :] + list(path))) for L in range(1, d["match_len"] + 1)]
+            assert any(f" {q} " in f" {doc.strip()} " for doc in docs for q in seqs), (ctx, path)
+
+
+def test_regular_interval_sampling_tracks_the_distribution():
+    # "A B" is followed by C 70% of the time, D 20%, E 10%, in 10,000 documents.
+    rng = np.random.default_rng(7)
+    nexts = rng.choice([3, 4, 5], size=10_000, p=[0.7, 0.2, 0.1])
+    tokens = np.array([x for n in nexts for x in (1, 2, int(n), SEP)], dtype=np.uint32)
+    ds = sssd.Datastore.from_tokens(tokens)
+    d = ds.query([1, 2], max_match=2, max_samples=100, branch_len=1)
+    w = dict(zip(d["tokens"].tolist(), d["weights"].tolist()))
+    counts = np.bincount(nexts, minlength=6)
+    # Stratified over the sorted range: each share is exact to within one sample.
+    for tok in (3, 4, 5):
+        assert abs(w[tok] - 100 * counts[tok] / 10_000) <= 1
+    # Taking the first M instead would have seen only C.
+    assert d["total"] == 100
+
+
+def test_backoff_sums_levels_until_threshold():
+    tokens = np.array([7, 1, 2, 3, SEP, 1, 2, 4, SEP, 2, 5, SEP, 2, 6, SEP], dtype=np.uint32)
+    ds = sssd.Datastore.from_tokens(tokens)
+    # "7 1 2" occurs once (< 3) -> also "1 2" (twice, < 3) -> also "2" (4 times: stop).
+    d = ds.query([7, 1, 2], max_match=3, min_occurrences=3, branch_len=1)
+    assert d["match_len"] == 3
+    paths = tree_to_paths(d)
+    # level 3: {3}, level 2 ("1 2"): {3, 4}, level 1 ("2"): {3, 4, 5, 6} -> stops at level 1 (4 >= 3)
+    assert paths == {(3,): 3.0, (4,): 2.0, (5,): 1.0, (6,): 1.0}
+    assert d["levels"] == 3
+
+
+def test_large_vocabulary_ids(tmp_path):
+    big = [70_000, 4_000_000_000, 123_456_789]
+    tokens = np.array(big * 5 + [SEP] + big, dtype=np.uint32)
+    ds = sssd.Datastore.build(tokens, tmp_path / "ds")
+    assert ds.count([70_000, 4_000_000_000]) == 6
+    d = ds.query([70_000, 4_000_000_000], max_match=2, branch_len=1, min_occurrences=1)
+    assert d["tokens"].tolist() == [123_456_789]
+
+
+def test_build_open_roundtrip_is_mmapped(tmp_path, words):
+    tokens, _ = words
+    ds = sssd.Datastore.build(tokens, tmp_path / "ds", metadata={"note": "x"})
+    assert ds.native.mapped and ds.size == len(tokens)
+    assert ds.manifest["note"] == "x" and ds.manifest["num_tokens"] == len(tokens)
+    np.testing.assert_array_equal(ds.tokens, tokens)
+    assert not ds.tokens.flags.writeable
+    again = sssd.Datastore.open(tmp_path / "ds")
+    mem = sssd.Datastore.from_tokens(tokens)
+    ctx = tokens[100:104]
+    assert tree_to_paths(again.query(ctx)) == tree_to_paths(mem.query(ctx))
+
+
+def test_build_refuses_to_overwrite_unless_asked(tmp_path):
+    sssd.Datastore.build([1, 2, 3], tmp_path / "ds")
+    with pytest.raises(FileExistsError):
+        sssd.Datastore.build([1, 2], tmp_path / "ds")
+    ds = sssd.Datastore.build([4, 5], tmp_path / "ds", overwrite=True)
+    assert ds.size == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ds"]  # no temporary leftovers
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    def boom(done, total):
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        sssd.Datastore.build(np.array([1, 2] * 2000, dtype=np.uint32), tmp_path / "ds", progress=boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [2**32], [1.5, 2.0], [[1, 2]]])
+def test_build_rejects_bad_tokens(tmp_path, bad):
+    with pytest.raises((ValueError, TypeError)):
+        sssd.Datastore.build(bad, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+# --- corrupt and incompatible files -------------------------------------
+
+@pytest.fixture
+def built(tmp_path):
+    sssd.Datastore.build(np.array([1, 2, 3, SEP, 1, 2, 4], dtype=np.uint32), tmp_path / "ds")
+    return tmp_path / "ds"
+
+
+def _patch(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_missing_datastore_and_files(tmp_path, built):
+    with pytest.raises(sssd.DatastoreError, match="not found"):
+        sssd.Datastore.open(tmp_path / "nope")
+    os.remove(built / "suffix_array.bin")
+    with pytest.raises(sssd.DatastoreError, match="cannot open"):
+        sssd.Datastore.open(built)
+
+
+def test_bad_magic(built):
+    _patch(built / "tokens.bin", 0, b"NOTSSSD!")
+    with pytest.raises(sssd.DatastoreError, match="bad magic"):
+        sssd.Datastore.open(built)
+
+
+def test_newer_format_version(built):
+    _patch(built / "suffix_array.bin", 8, struct.pack("<I", 99))
+    with pytest.raises(sssd.DatastoreError, match="newer"):
+        sssd.Datastore.open(built)
+    m = json.loads((built / "manifest.json").read_text())
+    m["format_version"] = 99
+    (built / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(sssd.DatastoreError, match="newer"):
+        sssd.Datastore.open(built)
+
+
+def test_truncated_file(built):
+    data = (built / "tokens.bin").read_bytes()
+    (built / "tokens.bin").write_bytes(data[:-3])
+    with pytest.raises(sssd.DatastoreError, match="truncated"):
+        sssd.Datastore.open(built)
+    (built / "tokens.bin").write_bytes(data[:10])
+    with pytest.raises(sssd.DatastoreError, match="truncated"):
+        sssd.Datastore.open(built)
+
+
+def test_mismatched_files(tmp_path, built):
+    other = sssd.Datastore.build(np.array([9, 8, 7, 6, 5, 4, 3], dtype=np.uint32), tmp_path / "other")
+    os.replace(other.path / "suffix_array.bin", built / "suffix_array.bin")
+    with pytest.raises(sssd.DatastoreError, match="different token stream"):
+        sssd.Datastore.open(built)
+
+
+def test_out_of_range_suffix_entry_raises_not_crashes(built):
+    _patch(built / "suffix_array.bin", 64, struct.pack("<I", 10**6))
+    ds = sssd.Datastore.open(built)  # headers are fine; opening reads no entries
+    with pytest.raises(sssd.SSSDError, match="corrupt suffix array"):
+        for ctx in ([1], [2], [3], [4], [1, 2]):
+            ds.query(ctx)
+
+
+def test_garbage_manifest(built):
+    (built / "manifest.json").write_text("{not json")
+    with pytest.raises(sssd.DatastoreError, match="unreadable manifest"):
+        sssd.Datastore.open(built)

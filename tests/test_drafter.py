@@ -1,0 +1,296 @@
+"""The Drafter API: batching, request lifecycle, bad input, threads, the GIL."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sssd
+from sssd import _core
+
+from conftest import random_corpus
+from reference import merge, trie_continuations, tree_to_paths
+
+
+@pytest.fixture(scope="module")
+def store():
+    return sssd.Datastore.from_tokens(random_corpus(np.random.default_rng(5), 300, vocab=30))
+
+
+def test_batch_draft_equals_single_drafts(store):
+    rng = np.random.default_rng(0)
+    d = sssd.Drafter(store, budget=16)
+    prompts = [rng.integers(0, 30, int(rng.integers(1, 40))) for _ in range(40)]
+    for i, p in enumerate(prompts):
+        d.open(i, p)
+    budgets = rng.integers(0, 40, len(prompts))
+    batch = d.draft(list(range(len(prompts))), budgets)
+    assert len(batch) == len(prompts)
+    for i, p in enumerate(prompts):
+        one = d.draft_prefix(p, int(budgets[i]))
+        tree = batch[i]
+        assert len(tree) <= budgets[i]
+        np.testing.assert_array_equal(tree.tokens, one.tokens)
+        np.testing.assert_array_equal(tree.parents, one.parents)
+        np.testing.assert_array_equal(tree.scores, one.scores)
+
+
+def test_extend_equals_reopen(store):
+    rng = np.random.default_rng(1)
+    d = sssd.Drafter(store)
+    prompt, gen = rng.integers(0, 30, 20), rng.integers(0, 30, 25)
+    d.open(1, prompt)
+    for k in range(0, 25, 4):
+        d.extend(1, gen[k : k + 4])
+    d.open(2, np.concatenate([prompt, gen]))
+    np.testing.assert_array_equal(d.context(1), d.context(2))
+    a, b = d.draft([1, 2], 24)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.parents, b.parents)
+
+
+def test_draft_equals_algorithm_1_on_the_sources(store):
+    """End to end: the drafter's tree == reference merge of the reference sources."""
+    cfg = sssd.DrafterConfig(budget=20, datastore_max_match=3, input_max_match=3, datastore_branch_len=4, input_branch_len=4)
+    d = sssd.Drafter(store, cfg)
+    rng = np.random.default_rng(3)
+    ctx = rng.integers(0, 30, 30).tolist()
+    got = d.draft_prefix(ctx)
+    native_ds = store.query(ctx, max_match=3, max_samples=100, min_occurrences=20, branch_len=4)
+    trees = []
+    if native_ds["match_len"]:
+        trees.append({"paths": tree_to_paths(native_ds), "total": native_ds["total"], "source": 0,
+                      "match_len": native_ds["match_len"], "max_depth": 4})
+    for L in range(3, 0, -1):
+        paths, total = trie_continuations(ctx, L, 3 + 4)
+        if paths:
+            trees.append({"paths": paths, "total": total, "source": 1, "match_len": L, "max_depth": min(4, 7 - L)})
+    table = cfg.discounts.score_table(3, 4)
+    want = merge(trees, lambda s, m, dd: table(s, m, dd), 20)
+    assert got.tokens.tolist() == [w[0] for w in want]
+    assert got.parents.tolist() == [w[1] for w in want]
+    assert got.sources.tolist() == [w[4] for w in want]
+
+
+def test_input_source_alone_copies_repeated_text():
+    d = sssd.Drafter(None, budget=8)
+    text = [10, 11, 12, 13, 14, 15, 1, 2, 10, 11, 12]
+    tree = d.draft_prefix(text)
+    assert tree.chain_tokens().tolist()[:3] == [13, 14, 15]
+    assert set(tree.sources.tolist()) == {sssd.SOURCE_INPUT}
+
+
+def test_external_source_carries_draft_probs(store):
+    d = sssd.Drafter(store, budget=6)
+    d.open(0, [1, 2, 3])
+    ext = sssd.tree.concat([sssd.DraftTree(
+        tokens=np.array([900, 901]), parents=np.array([-1, 0], dtype=np.int32), depths=np.array([1, 2], dtype=np.int32),
+        scores=np.zeros(2, np.float32), sources=np.full(2, 2, np.uint8), draft_probs=np.array([0.9, 0.8], np.float32))])
+    tree = d.draft([0], 6, external=ext)[0]
+    i = tree.tokens.tolist().index(900)
+    assert tree.sources[i] == sssd.SOURCE_EXTERNAL and tree.draft_probs[i] == pytest.approx(0.9)
+    j = tree.tokens.tolist().index(901)
+    assert tree.parents[j] == i and tree.scores[j] == pytest.approx(0.72, rel=1e-5)
+    assert np.isnan(tree.draft_probs[tree.sources != sssd.SOURCE_EXTERNAL]).all()
+
+
+def test_request_lifecycle(store):
+    d = sssd.Drafter(store)
+    with d.request(5, [1, 2, 3]) as rid:
+        assert rid in d and len(d) == 1 and d.request_memory(5) > 0
+    assert 5 not in d and len(d) == 0
+    d.open(7, [1])
+    with pytest.raises(ValueError, match="already open"):
+        d.open(7, [2])
+    d.close(7)
+    with pytest.raises(KeyError, match="unknown request id 7"):
+        d.close(7)
+
+
+# --- bad input ------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "prefix, exc, msg",
+    [
+        ([], ValueError, "empty"),
+        ([1, -3], ValueError, "negative"),
+        ([1, 2**32], ValueError, "exceeds"),
+        ([1.0, 2.0], TypeError, "integers"),
+        ("hello", TypeError, "sequence of token ids"),
+        ([[1, 2]], TypeError, "1-D"),
+        ([True, False], TypeError, "integers"),
+    ],
+)
+def test_bad_prefixes(store, prefix, exc, msg):
+    with pytest.raises(exc, match=msg):
+        sssd.Drafter(store).draft_prefix(prefix)
+
+
+def test_ids_outside_the_vocabulary(store):
+    d = sssd.Drafter(store, vocab_size=30)
+    with pytest.raises(ValueError, match=r"prefix\[1\] = 31 is outside the vocabulary"):
+        d.draft_prefix([1, 31])
+    d.open(0, [1, 2])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        d.extend(0, [29, 30])
+    with pytest.raises(ValueError, match="reserved"):
+        sssd.Drafter(store).draft_prefix([sssd.SEPARATOR])
+
+
+@pytest.mark.parametrize("budget", [-1, 10**6])
+def test_bad_budgets(store, budget):
+    d = sssd.Drafter(store)
+    d.open(0, [1, 2])
+    with pytest.raises(ValueError, match="budget"):
+        d.draft([0], budget)
+    with pytest.raises(ValueError, match="budget"):
+        d.draft_prefix([1, 2], budget)
+    with pytest.raises(ValueError, match="budget"):
+        sssd.DrafterConfig(budget=budget)
+
+
+def test_budget_zero_gives_empty_draft(store):
+    assert len(sssd.Drafter(store).draft_prefix([1, 2, 3], 0)) == 0
+
+
+def test_unknown_and_bad_request_ids(store):
+    d = sssd.Drafter(store)
+    d.open(1, [1])
+    with pytest.raises(KeyError, match="unknown request id 2"):
+        d.draft([1, 2], 4)
+    with pytest.raises(KeyError):
+        d.extend(3, [1])
+    with pytest.raises(ValueError, match=">= 0"):
+        d.draft([-1], 4)
+    with pytest.raises(TypeError):
+        d.open("a", [1])
+    with pytest.raises(ValueError, match="budgets"):
+        d.draft([1], [4, 4])
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="input_max_match"):
+        sssd.DrafterConfig(input_max_match=0)
+    with pytest.raises(ValueError, match="max_samples"):
+        sssd.DrafterConfig(max_samples=0)
+    with pytest.raises(TypeError, match="must be an int"):
+        sssd.DrafterConfig(budget=3.5)
+    with pytest.raises(ValueError, match="unknown drafter config fields"):
+        sssd.DrafterConfig.from_dict({"bogus": 1})
+
+
+def test_config_roundtrip(tmp_path):
+    cfg = sssd.DrafterConfig(budget=12, discounts=sssd.DiscountParams(input=sssd.SourceDiscount(scale=0.3)))
+    cfg.save(tmp_path / "c.json")
+    assert sssd.DrafterConfig.load(tmp_path / "c.json") == cfg
+
+
+def test_default_datastore_missing_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSSD_DATASTORE", str(tmp_path / "none"))
+    with pytest.raises(FileNotFoundError, match="sssd build --default"):
+        sssd.draft([1, 2, 3])
+
+
+def test_sssd_draft_with_a_datastore_path(small_datastore_dir, words):
+    tokens, _ = words
+    ctx = tokens[:10]
+    assert sssd.SEPARATOR not in ctx
+    tree = sssd.draft(ctx, budget=10, datastore=small_datastore_dir)
+    assert 0 < len(tree) <= 10
+    assert sssd.draft(ctx, budget=10, datastore=str(small_datastore_dir)).tokens.tolist() == tree.tokens.tolist()
+    with pytest.raises(ValueError, match="separator"):
+        sssd.draft(np.array([1, sssd.SEPARATOR], dtype=np.uint32), datastore=small_datastore_dir)
+
+
+# --- concurrency ------------------------------------------------------------
+
+def test_concurrent_threads_open_extend_draft_close(store):
+    d = sssd.Drafter(store, budget=16)
+    errors = []
+
+    def worker(w):
+        try:
+            rng = np.random.default_rng(w)
+            for r in range(30):
+                rid = w * 1000 + r
+                d.open(rid, rng.integers(0, 30, 10))
+                for _ in range(5):
+                    tree = d.draft([rid], 16)[0]
+                    assert len(tree) <= 16
+                    d.extend(rid, rng.integers(0, 30, 3))
+                d.close(rid)
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(d) == 0
+
+
+def test_drafting_releases_the_gil():
+    """A heartbeat thread keeps ticking while a long batch drafts in C++."""
+    rng = np.random.default_rng(9)
+    store = sssd.Datastore.from_tokens(random_corpus(rng, 3000, vocab=50, max_len=80))
+    d = sssd.Drafter(store, budget=64, num_threads=1)
+    n = 400
+    for i in range(n):
+        d.open(i, rng.integers(0, 50, 200))
+    ids, budgets = np.arange(n), np.full(n, 64)
+    t0 = time.perf_counter()
+    d.draft(ids, budgets)
+    single = time.perf_counter() - t0
+    reps = max(1, int(0.3 / max(single, 1e-4)))
+
+    ticks = 0
+    stop = threading.Event()
+
+    def beat():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    hb = threading.Thread(target=beat)
+    hb.start()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        d.draft(ids, budgets)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    hb.join()
+    # With the GIL held for the whole call, the heartbeat could tick at most
+    # once per call; released, it ticks about once per millisecond.
+    assert ticks > max(3 * reps, elapsed * 1000 * 0.2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.lists(st.integers(0, 6), min_size=1, max_size=12),
+       max_match=st.integers(1, 8), min_occ=st.sampled_from([0, 3, 50]))
+def test_match_cache_never_changes_drafts(seed, steps, max_match, min_occ):
+    """Drafting a request step by step (its match cache narrowing old ranges)
+    gives the same trees as drafting each context from scratch."""
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 60, vocab=6, repeat=0.6)
+    store = sssd.Datastore.from_tokens(tokens)
+    d = sssd.Drafter(store, budget=12, datastore_max_match=max_match, min_occurrences=min_occ)
+    # follow a real document for a while, so extensions keep matching
+    docs = [x for x in " ".join(map(str, tokens.tolist())).split(str(sssd.SEPARATOR)) if x.strip()]
+    doc = [int(x) for x in docs[int(rng.integers(len(docs)))].split()]
+    ctx = doc[:1]
+    d.open(0, ctx)
+    for k in steps:
+        nxt = doc[len(ctx) : len(ctx) + k] if len(ctx) < len(doc) else rng.integers(0, 6, k).tolist()
+        if nxt:
+            d.extend(0, nxt)
+            ctx = ctx + nxt
+        a = d.draft([0], 12)[0]
+        b = d.draft_prefix(ctx, 12)
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.parents.tolist() == b.parents.tolist()
+        np.testing.assert_array_equal(a.scores, b.scores)

@@ -1,0 +1,122 @@
+"""Algorithm 1 (the priority-queue merge) against a brute-force replica."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sssd
+from sssd import _core
+
+from reference import merge
+
+
+@st.composite
+def source_trees(draw):
+    """A list of random weighted trees as parent-pointer arrays (parents first)."""
+    trees = []
+    for _ in range(draw(st.integers(1, 4))):
+        tokens, parents, weights = [], [], []
+        seen = set()
+        for _ in range(draw(st.integers(0, 25))):
+            p = draw(st.integers(-1, len(tokens) - 1))
+            tok = draw(st.integers(0, 5))
+            if (p, tok) in seen:
+                continue  # (parent, token) is unique in real trees
+            seen.add((p, tok))
+            tokens.append(tok)
+            parents.append(p)
+            weights.append(float(draw(st.integers(1, 20))))
+        trees.append({
+            "tokens": np.array(tokens, dtype=np.uint32),
+            "parents": np.array(parents, dtype=np.int32),
+            "weights": np.array(weights, dtype=np.float64),
+            "total": float(draw(st.integers(1, 40))),
+            "source": draw(st.integers(0, 2)),
+            "match_len": draw(st.integers(0, 4)),
+            "max_depth": draw(st.integers(1, 6)),
+        })
+    return trees
+
+
+def _paths(tree):
+    out, prefix = {}, []
+    for t, p, w in zip(tree["tokens"], tree["parents"], tree["weights"]):
+        path = (prefix[p] if p >= 0 else ()) + (int(t),)
+        prefix.append(path)
+        out[path] = float(np.float32(w))  # the core stores weights as float32
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees=source_trees(), budget=st.integers(0, 30), decay=st.floats(0.3, 1.0), scale=st.floats(0.1, 2.0))
+def test_merge_matches_reference(trees, budget, decay, scale):
+    M, D = 4, 6
+    factors = np.array([[[scale * (s + 1) * decay ** d * (0.9 ** (M - m)) for d in range(D + 1)] for m in range(M + 1)] for s in range(3)])
+    table = _core.ScoreTable(M, D, factors.ravel())
+    got = _core.merge_trees(trees, table, budget)
+    ref_trees = [{**t, "paths": _paths(t)} for t in trees]
+    want = merge(ref_trees, lambda s, m, d: factors[s, min(m, M), min(d, D)], budget)
+    assert got["tokens"].tolist() == [w[0] for w in want]
+    assert got["parents"].tolist() == [w[1] for w in want]
+    assert got["depths"].tolist() == [w[2] for w in want]
+    assert got["sources"].tolist() == [w[4] for w in want]
+    np.testing.assert_allclose(got["scores"], [w[3] for w in want], rtol=1e-6)
+    assert len(got["tokens"]) <= budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees=source_trees(), budget=st.integers(1, 30))
+def test_single_source_gives_the_top_budget_nodes(trees, budget):
+    """With one tree and probabilities falling with depth, the draft is exactly
+    the `budget` highest-priority nodes (up to ties)."""
+    t = trees[0]
+    # make weights non-increasing along paths, as counts are
+    w = t["weights"].copy()
+    for i, p in enumerate(t["parents"]):
+        if p >= 0:
+            w[i] = min(w[i], w[p])
+    t = {**t, "weights": w, "source": 0, "max_depth": 100}
+    table = _core.ScoreTable(0, 1, np.ones(3 * 1 * 2))
+    got = _core.merge_trees([t], table, budget)
+    prio = sorted((float(np.float32(x)) / t["total"] for x in w), reverse=True)
+    k = len(got["scores"])
+    assert k == min(budget, len(w))
+    np.testing.assert_allclose(sorted(got["scores"], reverse=True), prio[:k], rtol=1e-6)
+
+
+def test_identical_candidates_merge_without_spending_budget():
+    a = {"tokens": np.array([1, 2], dtype=np.uint32), "parents": np.array([-1, 0], dtype=np.int32),
+         "weights": np.array([4.0, 4.0]), "total": 4.0, "source": 0, "match_len": 1, "max_depth": 4}
+    b = {**a, "tokens": np.array([1, 3], dtype=np.uint32), "source": 1}
+    table = _core.ScoreTable(1, 4, np.ones(3 * 2 * 5))
+    got = _core.merge_trees([a, b], table, 3)
+    # token 1 from both sources is one node; both children hang below it
+    assert got["tokens"].tolist() == [1, 2, 3]
+    assert got["parents"].tolist() == [-1, 0, 0]
+    assert got["sources"].tolist() == [0, 0, 1]
+
+
+def test_budget_zero_and_bad_tree():
+    table = _core.ScoreTable(1, 1, np.ones(3 * 2 * 2))
+    t = {"tokens": np.array([1], dtype=np.uint32), "parents": np.array([-1], dtype=np.int32),
+         "weights": np.array([1.0]), "total": 1.0, "source": 0, "match_len": 1, "max_depth": 2}
+    assert len(_core.merge_trees([t], table, 0)["tokens"]) == 0
+    with pytest.raises(ValueError, match="earlier node"):
+        _core.merge_trees([{**t, "parents": np.array([0], dtype=np.int32)}], table, 4)
+    with pytest.raises(ValueError, match="source"):
+        _core.merge_trees([{**t, "source": 7}], table, 4)
+
+
+def test_score_table_validation():
+    with pytest.raises(ValueError, match="factors"):
+        _core.ScoreTable(2, 2, np.ones(5))
+    with pytest.raises(ValueError, match="finite"):
+        _core.ScoreTable(0, 1, np.array([1, -1.0, 1, 1, 1, 1]))
+
+
+def test_discount_params_table_shape():
+    t = sssd.DiscountParams().score_table(4, 8)
+    assert t.max_match == 4 and t.max_depth == 8
+    # the input source is discounted below the datastore at the same match
+    assert t(sssd.SOURCE_INPUT, 4, 1) < t(sssd.SOURCE_DATASTORE, 4, 1)
