@@ -89,12 +89,20 @@ class Drafter:
         datastore: a Datastore, a datastore directory, DEFAULT ("default") for
             the default datastore, or None to draft from the input only.
         config: a DrafterConfig (defaults: the paper's).
+        tokenizer: the tokenizer the caller's token ids come from (a
+            tokenizer object or spec accepted by sssd.tokenizer); if given, a
+            datastore built with a different tokenizer is refused.
         **overrides: DrafterConfig fields replacing those of ``config``.
     """
 
-    def __init__(self, datastore: Datastore | str | Path | None = DEFAULT, config: DrafterConfig | None = None, **overrides: Any):
+    def __init__(self, datastore: Datastore | str | Path | None = DEFAULT, config: DrafterConfig | None = None,
+                 *, tokenizer: Any = None, **overrides: Any):
         self.config = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
         self.datastore = resolve_datastore(datastore) if self.config.use_datastore else None
+        if tokenizer is not None and self.datastore is not None:
+            from sssd.tokenizer import check_compatible
+
+            check_compatible(self.datastore, tokenizer)
         vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
         params = self.config.native_params(vocab)
         self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
