@@ -1,0 +1,1 @@
+"""Offline datastore building (``sssd build``); installed as ``sssd.datastore_builder``."""
