@@ -5,6 +5,7 @@ On disk a datastore is a directory::
     manifest.json       format version, counts, tokenizer identity, checksums
     tokens.bin          64-byte header + uint32 token ids (separator 2^32 - 1)
     suffix_array.bin    64-byte header + uint32/uint64 suffix positions
+    token_index.bin     64-byte header + uint64 first-token index
 
 ``Datastore.build`` writes it atomically: into a temporary sibling directory
 that is renamed into place only once complete, so an interrupted or failed
@@ -30,7 +31,7 @@ from sssd._tokens import as_tokens
 SEPARATOR: int = int(_core.SEPARATOR)
 FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
 MANIFEST = "manifest.json"
-DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE))
+DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE), str(_core.TOKEN_INDEX_FILE))
 
 
 class DatastoreError(_core.SSSDError):

@@ -116,6 +116,24 @@ class Drafter:
         """Appends tokens the target model accepted (or generated) to a request."""
         self._native.extend(_request_id(request_id), as_tokens(tokens, "tokens"))
 
+    def extend_batch(self, request_ids: Sequence[int] | np.ndarray, tokens: Sequence[Any]) -> None:
+        """Appends tokens to many requests in one native call (one lock, no
+        per-request Python validation): request_ids[b] gets tokens[b].
+
+        Args:
+            request_ids: open requests.
+            tokens: one sequence of token ids per request (may be empty).
+        """
+        ids = _request_ids(request_ids)
+        if len(tokens) != ids.shape[0]:
+            raise ValueError(f"got {ids.shape[0]} request ids but {len(tokens)} token lists")
+        parts = [as_tokens(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
+        lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self._native.extend_batch(ids, offsets, flat)
+
     def close(self, request_id: int) -> None:
         """Ends a request and frees its state."""
         self._native.close(_request_id(request_id))

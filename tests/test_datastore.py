@@ -59,6 +59,28 @@ def test_query_matches_reference(seed, params, ctx_len):
     assert tree_to_paths(got) == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), min_occ=st.integers(0, 40), max_match=st.integers(1, 10),
+       ctx_len=st.integers(1, 12), repeat=st.sampled_from([0.3, 0.9]))
+def test_backoff_by_weighted_occurrences_equals_level_by_level(seed, min_occ, max_match, ctx_len, repeat):
+    """With min_occurrences <= max_samples the core weights the occurrences of
+    the suffix one longer than the base level instead of sampling each level;
+    the tree must be the level-by-level one. Contexts copied from the corpus
+    make long matches (many levels) common."""
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 40, vocab=6, repeat=repeat)
+    t = tokens.tolist()
+    ds = sssd.Datastore.from_tokens(tokens)
+    start = int(rng.integers(0, len(t)))
+    context = [x for x in t[start : start + ctx_len] if x != SEP] or [1]
+    params = dict(max_match=max_match, max_samples=64, min_occurrences=min_occ, branch_len=4, end_token=999)
+    got = ds.query(context, min_match=1, **params)
+    want, match_len, total = datastore_query(t, suffix_array(t), context, min_match=1, **params)
+    assert got["match_len"] == match_len
+    assert tree_to_paths(got) == want
+    assert got["total"] == total
+
+
 def test_continuations_never_cross_separators(rng):
     tokens = random_corpus(rng, 200, vocab=8)
     t = tokens.tolist()

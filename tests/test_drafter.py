@@ -272,9 +272,9 @@ def test_drafting_releases_the_gil():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.lists(st.integers(0, 6), min_size=1, max_size=12),
        max_match=st.integers(1, 8), min_occ=st.sampled_from([0, 3, 50]))
-def test_match_cache_never_changes_drafts(seed, steps, max_match, min_occ):
-    """Drafting a request step by step (its match cache narrowing old ranges)
-    gives the same trees as drafting each context from scratch."""
+def test_stepwise_drafting_equals_drafting_from_scratch(seed, steps, max_match, min_occ):
+    """Drafting a request step by step (trie extended incrementally) gives the
+    same trees as drafting each context from scratch."""
     rng = np.random.default_rng(seed)
     tokens = random_corpus(rng, 60, vocab=6, repeat=0.6)
     store = sssd.Datastore.from_tokens(tokens)

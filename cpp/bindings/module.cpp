@@ -31,6 +31,7 @@ namespace py = pybind11;
 using namespace pybind11::literals;
 using sssd::py_util::borrow;
 using sssd::py_util::to_numpy;
+using sssd::py_util::Tokens;
 using sssd::py_util::view;
 
 namespace {
@@ -120,6 +121,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   m.attr("FORMAT_VERSION") = sssd::kFormatVersion;
   m.attr("TOKENS_FILE") = sssd::kTokensFile;
   m.attr("SUFFIX_ARRAY_FILE") = sssd::kSuffixArrayFile;
+  m.attr("TOKEN_INDEX_FILE") = sssd::kTokenIndexFile;
 
   m.def("build_info", [] {
     py::dict d;
@@ -212,19 +214,20 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       }, "Read-only view of the token stream (no copy).")
       .def("suffix", &sssd::Datastore::suffix, "rank"_a)
       .def("find", [](const sssd::Datastore& ds, const py::array& pattern) {
-        const auto p = borrow<sssd::token_t>(pattern, "pattern");
+        const Tokens p(pattern, "pattern");
         py::gil_scoped_release release;
-        return ds.find(p);
+        return ds.find(p.span());
       }, "pattern"_a)
       .def("query", [](const sssd::Datastore& ds, const py::array& context,
                        const sssd::DatastoreQuery& q) {
-        const auto c = borrow<sssd::token_t>(context, "context");
+        const Tokens c(context, "context");
         sssd::check_query(q);
         sssd::ContinuationTree tree;
         sssd::QueryStats st;
         {
           py::gil_scoped_release release;
-          st = ds.query(c, q, tree);
+          st = ds.query(c.span(), q, tree);
+          tree.expand_all();
         }
         py::dict d = tree_to_dict(tree.view(sssd::Source::kDatastore, st.match_len, q.branch_len));
         d["occurrences"] = st.occurrences;
@@ -272,15 +275,23 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def(py::init<DatastorePtr, sssd::DrafterParams, int>(), "datastore"_a, "params"_a,
            "num_threads"_a = 0)
       .def("open", [](sssd::Drafter& d, uint64_t id, const py::array& prompt) {
-        const auto p = borrow<sssd::token_t>(prompt, "prompt");
+        const Tokens p(prompt, "prompt");
         py::gil_scoped_release release;
-        d.open(id, p);
+        d.open(id, p.span());
       }, "request_id"_a, "prompt"_a)
       .def("extend", [](sssd::Drafter& d, uint64_t id, const py::array& tokens) {
-        const auto t = borrow<sssd::token_t>(tokens, "tokens");
+        const Tokens t(tokens, "tokens");
         py::gil_scoped_release release;
-        d.extend(id, t);
+        d.extend(id, t.span());
       }, "request_id"_a, "tokens"_a)
+      .def("extend_batch", [](sssd::Drafter& d, const py::array& ids, const py::array& offsets,
+                              const py::array& tokens) {
+        const auto id_span = borrow<uint64_t>(ids, "request_ids");
+        const auto off = borrow<int64_t>(offsets, "offsets");
+        const Tokens t(tokens, "tokens");
+        py::gil_scoped_release release;
+        d.extend_batch(id_span, off, t.span());
+      }, "request_ids"_a, "offsets"_a, "tokens"_a)
       .def("close", [](sssd::Drafter& d, uint64_t id) {
         py::gil_scoped_release release;
         d.close(id);
@@ -296,11 +307,13 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         const auto id_span = borrow<uint64_t>(ids, "request_ids");
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
         std::optional<sssd::ExternalTrees> ext;
+        std::optional<Tokens> ext_tokens;
         py::dict ext_dict;
         if (!external.is_none()) {
           ext_dict = external.cast<py::dict>();
+          ext_tokens.emplace(ext_dict["tokens"].cast<py::array>(), "external tokens");
           ext = sssd::ExternalTrees{borrow<int64_t>(ext_dict["offsets"], "external offsets"),
-                                    borrow<sssd::token_t>(ext_dict["tokens"], "external tokens"),
+                                    ext_tokens->span(),
                                     borrow<int32_t>(ext_dict["parents"], "external parents"),
                                     borrow<float>(ext_dict["probs"], "external probs")};
         }
@@ -314,11 +327,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return draft_batch_to_dict(std::move(batch));
       }, "request_ids"_a, "budgets"_a, "external"_a = py::none())
       .def("draft_context", [](const sssd::Drafter& d, const py::array& context, int budget) {
-        const auto c = borrow<sssd::token_t>(context, "prefix");
+        const Tokens c(context, "prefix");
         sssd::DraftBatch batch;
         {
           py::gil_scoped_release release;
-          batch = sssd::concat({d.draft_context(c, budget)});
+          batch = sssd::concat({d.draft_context(c.span(), budget)});
         }
         return draft_batch_to_dict(std::move(batch));
       }, "prefix"_a, "budget"_a);

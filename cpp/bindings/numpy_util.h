@@ -8,8 +8,11 @@
 
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "sssd/types.h"
 
 namespace sssd::py_util {
 
@@ -34,6 +37,62 @@ std::span<const T> borrow(const py::array& arr, const char* what) {
   }
   return {static_cast<const T*>(arr.data()), size_t(arr.shape(0))};
 }
+
+/// Token ids from any 1-D integer numpy array: borrowed when it already is
+/// C-contiguous uint32, otherwise converted once with range checks (ids are
+/// in [0, kMaxTokenId]; the first bad one raises ValueError naming `what`
+/// and its index). Construct with the GIL held; span() stays valid while
+/// this object and the array live.
+class Tokens {
+ public:
+  Tokens(const py::array& arr, const char* what) {
+    if (arr.ndim() != 1) {
+      throw py::type_error(std::string(what) + ": expected a 1-D array of token ids, got " +
+                           std::to_string(arr.ndim()) + " dimensions");
+    }
+    const char kind = arr.dtype().kind();
+    if (kind != 'i' && kind != 'u') {
+      throw py::type_error(std::string(what) + ": token ids must be integers, got dtype " +
+                           std::string(py::str(arr.dtype())));
+    }
+    if (arr.dtype().is(py::dtype::of<token_t>()) && (arr.flags() & py::array::c_style)) {
+      view_ = {static_cast<const token_t*>(arr.data()), size_t(arr.shape(0))};
+      return;
+    }
+    if (kind == 'u') {
+      convert(py::array_t<uint64_t, py::array::c_style | py::array::forcecast>(arr), what);
+    } else {
+      convert(py::array_t<int64_t, py::array::c_style | py::array::forcecast>(arr), what);
+    }
+  }
+  std::span<const token_t> span() const { return view_; }
+
+ private:
+  template <typename T>
+  void convert(const py::array_t<T, py::array::c_style | py::array::forcecast>& a, const char* what) {
+    const T* p = a.data();
+    const size_t n = size_t(a.shape(0));
+    owned_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      if constexpr (std::is_signed_v<T>) {
+        if (p[i] < 0) {
+          throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] = " +
+                                std::to_string(p[i]) + " is negative; token ids are >= 0");
+        }
+      }
+      if (uint64_t(p[i]) > uint64_t(kMaxTokenId)) {
+        throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] = " +
+                              std::to_string(p[i]) + " exceeds the largest token id " +
+                              std::to_string(kMaxTokenId) + " (" + std::to_string(kSeparator) +
+                              " is reserved as the document separator)");
+      }
+      owned_[i] = token_t(p[i]);
+    }
+    view_ = owned_;
+  }
+  std::vector<token_t> owned_;
+  std::span<const token_t> view_;
+};
 
 /// Moves `v` into a new 1-D numpy array without copying its data.
 template <typename T>

@@ -6,29 +6,28 @@ namespace sssd {
 
 void ContinuationTree::clear() {
   nodes_.clear();
-  stack_.clear();
-  staged_tokens_.clear();
+  spans_.clear();
+  staged_tokens_ = 0;
   staged_.clear();
   run_ends_.clear();
-  run_weights_.clear();
+  order_.clear();
+  end_token_ = -1;
   nodes_.push_back({0, 0.0f, kNoNode, kNoNode});
 }
 
+uint32_t ContinuationTree::add_node(uint32_t parent, token_t token, float weight) {
+  // Prepend: child order carries no meaning (the merger orders by weight, then token).
+  const uint32_t id = uint32_t(nodes_.size());
+  nodes_.push_back({token, weight, kNoNode, nodes_[parent].first_child});
+  nodes_[parent].first_child = id;
+  return id;
+}
+
 uint32_t ContinuationTree::child(uint32_t parent, token_t token) {
-  uint32_t last = kNoNode;
   for (uint32_t c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
     if (nodes_[c].token == token) return c;
-    last = c;
   }
-  const uint32_t id = uint32_t(nodes_.size());
-  nodes_.push_back({token, 0.0f, kNoNode, kNoNode});
-  // Append (not prepend) so children keep first-seen order: deterministic output.
-  if (last == kNoNode) {
-    nodes_[parent].first_child = id;
-  } else {
-    nodes_[last].next_sibling = id;
-  }
-  return id;
+  return add_node(parent, token, 0.0f);
 }
 
 void ContinuationTree::add_path(std::span<const token_t> tokens, float weight) {
@@ -40,48 +39,25 @@ void ContinuationTree::add_path(std::span<const token_t> tokens, float weight) {
   }
 }
 
-void ContinuationTree::add_sorted_path(std::span<const token_t> tokens,
-                                       std::span<const token_t> prev, int64_t end_token,
-                                       float weight) {
-  nodes_[0].weight += weight;
-  size_t common = 0;
-  while (common < tokens.size() && common < prev.size() && tokens[common] == prev[common]) ++common;
-  stack_.resize(std::min(common, stack_.size()));
-  for (size_t d = 0; d < stack_.size(); ++d) nodes_[stack_[d]].weight += weight;
-  for (size_t d = stack_.size(); d < tokens.size(); ++d) {
-    // Sorted input: this token is new under `parent`; prepend it (child order
-    // carries no meaning: the merger breaks ties by token id).
-    const uint32_t parent = d == 0 ? 0 : stack_[d - 1];
-    const uint32_t id = uint32_t(nodes_.size());
-    nodes_.push_back({tokens[d], weight, kNoNode, nodes_[parent].first_child});
-    nodes_[parent].first_child = id;
-    stack_.push_back(id);
-  }
-  if (end_token >= 0) {
-    const uint32_t end = child(stack_.empty() ? 0 : stack_.back(), token_t(end_token));
-    nodes_[end].weight += weight;
-  }
+void ContinuationTree::stage(std::span<const token_t> tokens, End end, float weight) {
+  staged_.push_back({tokens.data(), uint16_t(tokens.size()), end, weight});
+  staged_tokens_ += tokens.size();
 }
 
-void ContinuationTree::stage(std::span<const token_t> tokens, End end) {
-  staged_.push_back({uint32_t(staged_tokens_.size()), uint16_t(tokens.size()), end});
-  staged_tokens_.insert(staged_tokens_.end(), tokens.begin(), tokens.end());
-}
-
-void ContinuationTree::end_run(float weight) {
+void ContinuationTree::end_run() {
   if (run_ends_.empty() ? !staged_.empty() : run_ends_.back() != staged_.size()) {
     run_ends_.push_back(uint32_t(staged_.size()));
-    run_weights_.push_back(weight);
   }
 }
 
 void ContinuationTree::commit_runs(int64_t end_token) {
-  end_run(1.0f);
+  end_run();
+  end_token_ = end_token;
   // Suffix order of two staged paths: by tokens; when one is a prefix of
   // the other, a separator-ended path sorts after, a stream-ended one before.
   auto less = [&](const Staged& a, const Staged& b) {
-    const token_t* x = &staged_tokens_[a.offset];
-    const token_t* y = &staged_tokens_[b.offset];
+    const token_t* x = a.tokens;
+    const token_t* y = b.tokens;
     const size_t n = std::min(a.len, b.len);
     for (size_t i = 0; i < n; ++i) {
       if (x[i] != y[i]) return x[i] < y[i];
@@ -89,10 +65,13 @@ void ContinuationTree::commit_runs(int64_t end_token) {
     if (a.len == b.len) return false;
     return a.len < b.len ? a.end != End::kSeparator : b.end == End::kSeparator;
   };
-  std::span<const token_t> prev;
-  stack_.clear();
-  std::vector<uint32_t> head(run_ends_.size());
+  // k-way merge of the runs (a handful: the base level and the levels above).
+  order_.clear();
+  order_.reserve(staged_.size());
+  head_.resize(run_ends_.size());
+  auto& head = head_;
   for (size_t r = 0; r < run_ends_.size(); ++r) head[r] = r == 0 ? 0 : run_ends_[r - 1];
+  float total = 0;
   while (true) {
     int best = -1;
     for (size_t r = 0; r < run_ends_.size(); ++r) {
@@ -101,23 +80,62 @@ void ContinuationTree::commit_runs(int64_t end_token) {
       }
     }
     if (best < 0) break;
-    const Staged& p = staged_[head[size_t(best)]++];
-    const float w = run_weights_[size_t(best)];
-    const bool with_end = p.end == End::kSeparator && end_token >= 0;
-    if (p.len == 0 && !with_end) {
-      add_empty(w);
-    } else {
-      add_sorted_path({&staged_tokens_[p.offset], p.len}, prev, with_end ? end_token : -1, w);
-      prev = {&staged_tokens_[p.offset], p.len};
-    }
+    total += staged_[head[size_t(best)]].weight;
+    order_.push_back(head[size_t(best)]++);
   }
-  staged_tokens_.clear();
-  staged_.clear();
-  run_ends_.clear();
-  run_weights_.clear();
+  nodes_[0].weight += total;
+  // Every node is a distinct path prefix, or an end-token child of one: the
+  // capacity never has to grow, so views of nodes_ stay valid while expanding.
+  nodes_.reserve(2 * staged_tokens_ + 2);
+  spans_.reserve(nodes_.capacity());
+  spans_.assign(1, {0, uint32_t(order_.size()), 0, true});
 }
 
-SourceTree ContinuationTree::view(Source source, int match_len, int max_depth) const {
+void ContinuationTree::expand(uint32_t node) {
+  if (node >= spans_.size() || !spans_[node].open) return;
+  Span& span = spans_[node];
+  span.open = false;
+  const uint32_t a = span.a, b = span.b, d = span.depth;
+  float end_weight = 0;
+  for (uint32_t k = a; k < b;) {
+    const Staged& p = staged_[order_[k]];
+    if (p.len <= d) {  // the path ends here
+      if (p.len == d && p.end == End::kSeparator && end_token_ >= 0) end_weight += p.weight;
+      ++k;
+      continue;
+    }
+    // Sorted: the paths continuing with this token are contiguous.
+    const token_t t = p.tokens[d];
+    float w = 0;
+    uint32_t k1 = k;
+    while (k1 < b) {
+      const Staged& q = staged_[order_[k1]];
+      if (q.len <= d || q.tokens[d] != t) break;
+      w += q.weight;
+      ++k1;
+    }
+    add_node(node, t, w);
+    spans_.push_back({k, k1, d + 1, true});
+    k = k1;
+  }
+  if (end_weight > 0) {
+    // The end token may also continue as an ordinary token here: same node.
+    uint32_t c = nodes_[node].first_child;
+    while (c != kNoNode && nodes_[c].token != token_t(end_token_)) c = nodes_[c].next_sibling;
+    if (c == kNoNode) {
+      add_node(node, token_t(end_token_), end_weight);
+      spans_.push_back({b, b, d + 1, false});
+    } else {
+      nodes_[c].weight += end_weight;
+    }
+  }
+}
+
+void ContinuationTree::expand_all() {
+  for (uint32_t i = 0; i < nodes_.size(); ++i) expand(i);
+}
+
+SourceTree ContinuationTree::view(Source source, int match_len, int max_depth) {
   SourceTree v;
   v.nodes = nodes_.data();
   v.root = 0;
@@ -125,6 +143,7 @@ SourceTree ContinuationTree::view(Source source, int match_len, int max_depth) c
   v.max_depth = max_depth;
   v.source = source;
   v.match_len = match_len;
+  v.expander = spans_.empty() ? nullptr : this;
   return v;
 }
 

@@ -51,8 +51,8 @@ void check_query(const DatastoreQuery& q) {
                  "end_token must be -1 or a token id, got ", q.end_token);
 }
 
-Datastore::Datastore(Bytes tokens, Bytes suffixes, const std::string& where)
-    : tokens_bytes_(std::move(tokens)), suffix_bytes_(std::move(suffixes)) {
+Datastore::Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::string& where)
+    : tokens_bytes_(std::move(tokens)), suffix_bytes_(std::move(suffixes)), token_index_bytes_(std::move(index)) {
   const std::string tok_name = where + "/" + kTokensFile;
   const std::string sa_name = where + "/" + kSuffixArrayFile;
   header_ = read_header(tokens_bytes_.data(), tokens_bytes_.size(), kTokensMagic, tok_name);
@@ -69,12 +69,37 @@ Datastore::Datastore(Bytes tokens, Bytes suffixes, const std::string& where)
              ": 32-bit suffix indices cannot address ", n_, " tokens");
   text_ = reinterpret_cast<const token_t*>(tokens_bytes_.data() + sizeof(FileHeader));
   sa_ = suffix_bytes_.data() + sizeof(FileHeader);
+
+  const std::string idx_name = where + "/" + kTokenIndexFile;
+  const FileHeader ih =
+      read_header(token_index_bytes_.data(), token_index_bytes_.size(), kTokenIndexMagic, idx_name);
+  SSSD_CHECK(ih.fingerprint == header_.fingerprint && ih.elem_bytes == 8, idx_name,
+             " belongs to a different token stream than ", tok_name, "; rebuild the datastore");
+  if (ih.count > 0) {
+    SSSD_CHECK(ih.count == header_.vocab_size + 1, idx_name, ": ", ih.count,
+               " entries, expected vocab_size + 1 = ", header_.vocab_size + 1);
+    first_ = reinterpret_cast<const uint64_t*>(token_index_bytes_.data() + sizeof(FileHeader));
+    SSSD_CHECK(first_[ih.count - 1] <= n_, idx_name, ": corrupt (points beyond the stream)");
+  }
+}
+
+std::pair<size_t, size_t> Datastore::first_token_range(token_t t) const {
+  if (!first_) return {0, n_};
+  if (t >= header_.vocab_size) {
+    const size_t end = first_[header_.vocab_size];
+    return {end, end};
+  }
+  size_t lo = first_[t], hi = first_[t + 1];
+  SSSD_CHECK(lo <= hi && hi <= n_, "corrupt token index at token ", t, " (run `sssd verify`)");
+  return {lo, hi};
 }
 
 std::shared_ptr<const Datastore> Datastore::open(const std::string& dir) {
   Bytes tokens = Bytes::map_file(dir + "/" + kTokensFile, /*random_access=*/true);
   Bytes suffixes = Bytes::map_file(dir + "/" + kSuffixArrayFile, /*random_access=*/true);
-  return std::shared_ptr<const Datastore>(new Datastore(std::move(tokens), std::move(suffixes), dir));
+  Bytes index = Bytes::map_file(dir + "/" + kTokenIndexFile, /*random_access=*/false);
+  return std::shared_ptr<const Datastore>(
+      new Datastore(std::move(tokens), std::move(suffixes), std::move(index), dir));
 }
 
 std::shared_ptr<const Datastore> Datastore::from_tokens(std::span<const token_t> tokens,
@@ -91,7 +116,12 @@ std::shared_ptr<const Datastore> Datastore::from_tokens(std::span<const token_t>
     build_suffix_array<uint64_t>(tokens, sa, num_threads);
     suf = Bytes::own(with_header(make_header(kSuffixArrayMagic, 8, st), std::span<const uint64_t>(sa)));
   }
-  return std::shared_ptr<const Datastore>(new Datastore(std::move(tok), std::move(suf), "<memory>"));
+  const std::vector<uint64_t> first = first_token_index(tokens, st.vocab_size);
+  StreamStats ist = st;
+  ist.count = first.size();
+  Bytes idx = Bytes::own(with_header(make_header(kTokenIndexMagic, 8, ist), std::span<const uint64_t>(first)));
+  return std::shared_ptr<const Datastore>(
+      new Datastore(std::move(tok), std::move(suf), std::move(idx), "<memory>"));
 }
 
 void Datastore::write(std::span<const token_t> tokens, const std::string& dir, int num_threads,
@@ -110,6 +140,11 @@ void Datastore::write(std::span<const token_t> tokens, const std::string& dir, i
     write_file(dir + "/" + kSuffixArrayFile, make_header(kSuffixArrayMagic, 8, st), sa.data(),
                sa.size() * 8);
   }
+  const std::vector<uint64_t> first = first_token_index(tokens, st.vocab_size);
+  StreamStats ist = st;
+  ist.count = first.size();
+  write_file(dir + "/" + kTokenIndexFile, make_header(kTokenIndexMagic, 8, ist), first.data(),
+             first.size() * 8);
 }
 
 size_t Datastore::suffix(size_t r) const {
@@ -138,6 +173,15 @@ int Datastore::compare(size_t pos, std::span<const token_t> pattern) const {
   return 0;
 }
 
+namespace {
+// Prefetches the suffix-array entries that the next binary-search step may
+// read, so that step waits for one miss (the text) instead of two.
+inline void prefetch_next(const uint8_t* sa, int width, size_t lo, size_t mid, size_t hi) {
+  __builtin_prefetch(sa + (lo + (mid - lo) / 2) * size_t(width));
+  __builtin_prefetch(sa + (mid + 1 + (hi - mid - 1) / 2) * size_t(width));
+}
+}  // namespace
+
 std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
                                              std::span<const token_t> pattern, size_t offset) const {
   // Three phases (as in infini-gram): narrow both ends until one probe
@@ -145,6 +189,7 @@ std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
   size_t lo = first, hi = last;
   while (lo < hi) {
     const size_t mid = lo + (hi - lo) / 2;
+    prefetch_next(sa_, index_bytes_, lo, mid, hi);
     const int c = compare(suffix(mid) + offset, pattern);
     if (c < 0) {
       lo = mid + 1;
@@ -154,6 +199,7 @@ std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
       size_t a = lo, b = mid;  // lower bound in [lo, mid]
       while (a < b) {
         const size_t m = a + (b - a) / 2;
+        prefetch_next(sa_, index_bytes_, a, m, b);
         if (compare(suffix(m) + offset, pattern) < 0) {
           a = m + 1;
         } else {
@@ -163,6 +209,7 @@ std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
       size_t c2 = mid + 1, d = hi;  // upper bound in [mid + 1, hi]
       while (c2 < d) {
         const size_t m = c2 + (d - c2) / 2;
+        prefetch_next(sa_, index_bytes_, c2, m, d);
         if (compare(suffix(m) + offset, pattern) <= 0) {
           c2 = m + 1;
         } else {
@@ -175,11 +222,41 @@ std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
   return {lo, lo};
 }
 
-bool Datastore::occurs(std::span<const token_t> pattern) const {
-  size_t lo = 0, hi = n_;
+Datastore::Start Datastore::start(std::span<const token_t> pattern) const {
+  if (!first_ || pattern.empty()) return {0, n_, 0};
+  const auto [lo, hi] = first_token_range(pattern[0]);
+  return {lo, hi, 1};
+}
+
+std::pair<size_t, size_t> Datastore::find(std::span<const token_t> pattern) const {
+  const Start s = start(pattern);
+  return find_in(s.lo, s.hi, pattern.subspan(s.offset), s.offset);
+}
+
+size_t Datastore::lower_bound(std::span<const token_t> pattern) const {
+  const Start s = start(pattern);
+  size_t lo = s.lo, hi = s.hi;
+  const auto rest = pattern.subspan(s.offset);
   while (lo < hi) {
     const size_t mid = lo + (hi - lo) / 2;
-    const int c = compare(suffix(mid), pattern);
+    prefetch_next(sa_, index_bytes_, lo, mid, hi);
+    if (compare(suffix(mid) + s.offset, rest) < 0) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+bool Datastore::occurs(std::span<const token_t> pattern) const {
+  const Start s = start(pattern);
+  size_t lo = s.lo, hi = s.hi;
+  const auto rest = pattern.subspan(s.offset);
+  while (lo < hi) {
+    const size_t mid = lo + (hi - lo) / 2;
+    prefetch_next(sa_, index_bytes_, lo, mid, hi);
+    const int c = compare(suffix(mid) + s.offset, rest);
     if (c == 0) return true;
     if (c < 0) {
       lo = mid + 1;
@@ -190,13 +267,28 @@ bool Datastore::occurs(std::span<const token_t> pattern) const {
   return false;
 }
 
-void Datastore::sample(size_t first, size_t last, int len, const DatastoreQuery& q,
+void Datastore::stage_continuation(size_t start, int branch_len, float weight,
+                                   ContinuationTree& out) const {
+  const size_t limit = std::min(n_, start + size_t(branch_len));
+  size_t p = start;
+  while (p < limit && text_[p] != kSeparator) ++p;
+  using End = ContinuationTree::End;
+  const End end = p < limit ? End::kSeparator  // stopped early: at a separator
+                  : p == start + size_t(branch_len) ? End::kLength
+                                                    : End::kStream;
+  out.stage({text_ + std::min(start, n_), p - std::min(start, n_)}, end, weight);
+}
+
+void Datastore::sample(size_t first, size_t last, int len, const DatastoreQuery& q, float weight,
                        ContinuationTree& out) const {
   const size_t count = last - first;
   const size_t take = std::min<size_t>(count, q.max_samples);
   // Regular intervals, centred in each of `take` equal slices of the range.
+  const bool wide = count > (size_t(1) << 40);  // (2k + 1) * count could overflow 64 bits
   auto rank_of = [&](size_t k) {
-    return take == count ? first + k : first + size_t((unsigned __int128)(2 * k + 1) * count / (2 * take));
+    if (take == count) return first + k;
+    return first + (wide ? size_t((unsigned __int128)(2 * k + 1) * count / (2 * take))
+                         : (2 * k + 1) * count / (2 * take));
   };
   // Issue every suffix-array read, then every text read, before using any:
   // the misses overlap instead of queueing.
@@ -209,124 +301,143 @@ void Datastore::sample(size_t first, size_t last, int len, const DatastoreQuery&
     __builtin_prefetch(text_ + std::min(start[k], n_ - 1));
     __builtin_prefetch(text_ + std::min(start[k] + size_t(q.branch_len) - 1, n_ - 1));
   }
-  token_t path[256];
-  for (size_t k = 0; k < take; ++k) {
-    size_t depth = 0;
-    auto end = ContinuationTree::End::kStream;
-    for (size_t p = start[k]; depth < size_t(q.branch_len); ++p) {
-      if (p >= n_) break;
-      if (text_[p] == kSeparator) {
-        end = ContinuationTree::End::kSeparator;
-        break;
-      }
-      path[depth++] = text_[p];
-      if (depth == size_t(q.branch_len)) end = ContinuationTree::End::kLength;
-    }
-    out.stage({path, depth}, end);
-  }
+  for (size_t k = 0; k < take; ++k) stage_continuation(start[k], q.branch_len, weight, out);
+  out.end_run();
 }
 
-QueryStats Datastore::query(std::span<const token_t> context, const DatastoreQuery& q,
-                            ContinuationTree& out, MatchCache* cache) const {
-  out.clear();
+Datastore::Weighted Datastore::stage_weighted(size_t first, size_t last, int len, int longest,
+                                              std::span<const token_t> context,
+                                              const DatastoreQuery& q, ContinuationTree& out) const {
+  const size_t count = last - first;
+  size_t starts[512];
+  std::vector<size_t> big;
+  size_t* pos = count <= 512 ? starts : (big.resize(count), big.data());
+  for (size_t k = 0; k < count; ++k) {
+    pos[k] = suffix(first + k);
+    __builtin_prefetch(text_ + (pos[k] > 16 ? pos[k] - 16 : 0));
+    __builtin_prefetch(text_ + std::min(pos[k] + size_t(len) + size_t(q.branch_len) - 1, n_ - 1));
+  }
+  Weighted w;
+  w.match_len = len;
+  const size_t ctx_n = context.size();
+  for (size_t k = 0; k < count; ++k) {
+    // How far back the context keeps matching before this occurrence.
+    int match = len;
+    while (match < longest && pos[k] >= size_t(match - len + 1)) {
+      const token_t t = text_[pos[k] - size_t(match - len + 1)];
+      if (t == kSeparator || t != context[ctx_n - size_t(match) - 1]) break;
+      ++match;
+    }
+    if (match > w.match_len) {
+      w.match_len = match;
+      w.occurrences = 0;
+    }
+    if (match == w.match_len) ++w.occurrences;
+    w.samples += uint32_t(match - len + 1);
+    stage_continuation(pos[k] + size_t(len), q.branch_len, float(match - len + 1), out);
+  }
+  out.end_run();
+  return w;
+}
+
+QueryStats Datastore::query_levels(std::span<const token_t> context, const DatastoreQuery& q,
+                                   ContinuationTree& out) const {
   QueryStats stats;
   const int longest = int(std::min<size_t>(context.size(), size_t(q.max_match)));
   auto suffix_of = [&](int len) { return context.subspan(context.size() - size_t(len)); };
-  constexpr std::pair<size_t, size_t> kUnknown{1, 0};
-  std::pair<size_t, size_t> ranges[1025];  // by suffix length; max_match <= 1024
-  std::fill(ranges, ranges + longest + 1, kUnknown);
-  std::pair<size_t, size_t> parents[1025];  // cached ranges to narrow from (offset = len - k)
-  std::fill(parents, parents + longest + 1, kUnknown);
-
-  // What the previous query of this request tells us.
-  int upper = longest;
-  size_t grown = 0;
-  const bool usable = cache && cache->context_len > 0 && cache->context_len <= context.size() &&
-                      n_ > 0 && longest >= q.min_match;
-  if (usable) {
-    grown = context.size() - cache->context_len;
-    for (size_t j = 0; j < cache->ranges.size(); ++j) {
-      const int len = cache->match_len - int(j) + int(grown);
-      if (len >= 1 && len <= longest) {
-        (grown == 0 ? ranges : parents)[len] = cache->ranges[j];
-      }
-    }
-    // The longest match grows by at most the tokens appended.
-    upper = std::min(longest, cache->match_len + int(grown));
-  }
-  auto range_of = [&](int len) {
-    auto& r = ranges[len];
-    if (r.first > r.second) {
-      const auto& p = parents[len];
-      r = p.first <= p.second && len > int(grown)
-              ? find_in(p.first, p.second, suffix_of(int(grown)), size_t(len) - grown)
-              : find(suffix_of(len));
-    }
-    return r;
-  };
-  auto occurs_len = [&](int len) {
-    const auto& r = ranges[len];
-    if (r.first <= r.second) return r.second > r.first;
-    if (parents[len].first <= parents[len].second) return range_of(len).second > range_of(len).first;
-    return occurs(suffix_of(len));
-  };
-
-  // Longest suffix that occurs at all: occurrence falls as the suffix grows.
-  // With a cache, try the extension of the old match first (usually a hit).
-  int lo = q.min_match - 1, hi = upper;  // occurs at lo (or lo < min_match); search (lo, hi]
-  if (usable && upper >= q.min_match) {
-    if (occurs_len(upper)) {
-      lo = upper;
-    } else {
-      hi = upper - 1;
-    }
-  }
+  int lo = q.min_match - 1, hi = longest;  // occurs at lo (or lo < min_match); search (lo, hi]
   while (lo < hi) {
     const int mid = lo + (hi - lo + 1) / 2;
-    if (occurs_len(mid)) {
+    if (occurs(suffix_of(mid))) {
       lo = mid;
     } else {
       hi = mid - 1;
     }
   }
-  if (cache) {
-    // Remembered even without a match: the bound "longest <= lo + growth" holds.
-    cache->clear();
-    cache->context_len = context.size();
-    cache->match_len = std::max(lo, 0);
-  }
-  if (lo < q.min_match || n_ == 0) return stats;
+  if (lo < q.min_match) return stats;
   stats.match_len = lo;
-  stats.occurrences = range_of(lo).second - range_of(lo).first;
-
-  // Backoff: each level's samples are one sorted run, summed into the tree.
-  // Consecutive levels with equal counts have the same occurrences (each
-  // occurrence of the longer suffix holds one of the shorter), hence the same
-  // samples: they are read once, with the run's weight raised instead.
-  int run_len = 0;
-  size_t run_count = 0;
-  float run_weight = 0;
   for (int len = lo; len >= q.min_match; --len) {
-    const auto [first, last] = range_of(len);
-    const size_t count = last - first;
-    if (run_weight > 0 && count == run_count) {
-      run_weight += 1.0f;
-    } else {
-      if (run_weight > 0) {
-        sample(range_of(run_len).first, range_of(run_len).second, run_len, q, out);
-        out.end_run(run_weight);
-      }
-      run_len = len;
-      run_count = count;
-      run_weight = 1.0f;
-    }
-    stats.samples += uint32_t(std::min<size_t>(count, q.max_samples));
+    const auto [first, last] = find(suffix_of(len));
+    if (len == lo) stats.occurrences = last - first;
+    sample(first, last, len, q, 1.0f, out);
+    stats.samples += uint32_t(std::min<size_t>(last - first, q.max_samples));
     ++stats.levels;
-    if (cache) cache->ranges.push_back({first, last});
-    if (count >= q.min_occurrences) break;
+    if (last - first >= q.min_occurrences) break;
   }
-  sample(range_of(run_len).first, range_of(run_len).second, run_len, q, out);
-  out.end_run(run_weight);
+  out.commit_runs(q.end_token);
+  return stats;
+}
+
+QueryStats Datastore::query(std::span<const token_t> context, const DatastoreQuery& q,
+                            ContinuationTree& out) const {
+  out.clear();
+  const int longest = int(std::min<size_t>(context.size(), size_t(q.max_match)));
+  if (longest < q.min_match || n_ == 0) return {};
+  if (q.min_occurrences > q.max_samples) return query_levels(context, q, out);
+  auto suffix_of = [&](int len) { return context.subspan(context.size() - size_t(len)); };
+  const size_t need = std::max<uint64_t>(q.min_occurrences, 1);
+
+  // Lower bounds by length (kUnset until searched), and whether that suffix
+  // occurs >= need times: its need-th occurrence would sit need-1 ranks on.
+  constexpr size_t kUnset = ~size_t(0);
+  size_t bound[1026];
+  std::fill(bound, bound + longest + 2, kUnset);
+  auto at_least = [&](int len) {
+    const auto pattern = suffix_of(len);
+    bound[len] = lower_bound(pattern);
+    return bound[len] + need - 1 < n_ && compare(suffix(bound[len] + need - 1), pattern) == 0;
+  };
+  // Base: the longest suffix occurring >= need times (counts fall with length).
+  int lo = q.min_match - 1, hi = longest;  // holds at lo (or lo < min_match); search (lo, hi]
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (at_least(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int base = lo;
+  QueryStats stats;
+  stats.match_len = base >= q.min_match ? base : 0;
+
+  // Levels above the base: every occurrence of the base + 1 suffix (fewer
+  // than `need` <= max_samples), weighted by the levels it belongs to.
+  if (base + 1 <= longest) {
+    const auto pattern = suffix_of(base + 1);
+    if (bound[base + 1] == kUnset) bound[base + 1] = lower_bound(pattern);
+    size_t last = bound[base + 1];
+    while (last < n_ && compare(suffix(last), pattern) == 0) ++last;
+    if (last > bound[base + 1]) {
+      const Weighted w = stage_weighted(bound[base + 1], last, base + 1, longest, context, q, out);
+      stats.match_len = w.match_len;
+      stats.occurrences = w.occurrences;
+      stats.samples += w.samples;
+    }
+  }
+  // The base level itself, sampled at regular intervals.
+  if (base >= q.min_match) {
+    const auto pattern = suffix_of(base);
+    const size_t first = bound[base];
+    // upper bound in [first + need, end of the first token's range]
+    const Start st = start(pattern);
+    size_t a = first + need, b = st.hi;
+    const auto rest = pattern.subspan(st.offset);
+    while (a < b) {
+      const size_t m = a + (b - a) / 2;
+      prefetch_next(sa_, index_bytes_, a, m, b);
+      if (compare(suffix(m) + st.offset, rest) <= 0) {
+        a = m + 1;
+      } else {
+        b = m;
+      }
+    }
+    sample(first, a, base, q, 1.0f, out);
+    stats.samples += uint32_t(std::min<size_t>(a - first, q.max_samples));
+    if (stats.match_len == base) stats.occurrences = a - first;
+  }
+  if (stats.match_len == 0) return {};
+  stats.levels = stats.match_len - std::max(base, q.min_match) + 1;
   out.commit_runs(q.end_token);
   return stats;
 }

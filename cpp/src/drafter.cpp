@@ -61,7 +61,7 @@ void Drafter::open(uint64_t id, std::span<const token_t> prompt) {
   trie->extend(prompt);
   std::unique_lock lock(mu_);
   SSSD_CHECK_ARG(!requests_.count(id), "request ", id, " is already open");
-  requests_.emplace(id, std::make_unique<Request>(std::move(trie)));
+  requests_.emplace(id, std::move(trie));
 }
 
 void Drafter::extend(uint64_t id, std::span<const token_t> tokens) {
@@ -69,11 +69,33 @@ void Drafter::extend(uint64_t id, std::span<const token_t> tokens) {
   std::unique_lock lock(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
-  it->second->trie->extend(tokens);
+  it->second->extend(tokens);
+}
+
+void Drafter::extend_batch(std::span<const uint64_t> ids, std::span<const int64_t> offsets,
+                           std::span<const token_t> tokens) {
+  SSSD_CHECK_ARG(offsets.size() == ids.size() + 1, "offsets must have ", ids.size() + 1,
+                 " entries, got ", offsets.size());
+  SSSD_CHECK_ARG(offsets.front() == 0 && size_t(offsets.back()) == tokens.size(),
+                 "offsets must start at 0 and end at the number of tokens");
+  for (size_t b = 0; b < ids.size(); ++b) {
+    SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing");
+  }
+  check_tokens(tokens, "tokens");
+  std::unique_lock lock(mu_);
+  std::vector<RequestTrie*> tries(ids.size());
+  for (size_t b = 0; b < ids.size(); ++b) {
+    auto it = requests_.find(ids[b]);
+    if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", ids[b]));
+    tries[b] = it->second.get();
+  }
+  for (size_t b = 0; b < ids.size(); ++b) {
+    tries[b]->extend(tokens.subspan(size_t(offsets[b]), size_t(offsets[b + 1] - offsets[b])));
+  }
 }
 
 void Drafter::close(uint64_t id) {
-  std::unique_ptr<Request> victim;  // freed outside the lock
+  std::unique_ptr<RequestTrie> victim;  // freed outside the lock
   std::unique_lock lock(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
@@ -103,7 +125,7 @@ std::vector<token_t> Drafter::context(uint64_t id) const {
   std::shared_lock lock(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
-  const auto t = it->second->trie->tokens();
+  const auto t = it->second->tokens();
   return {t.begin(), t.end()};
 }
 
@@ -111,16 +133,16 @@ size_t Drafter::request_memory(uint64_t id) const {
   std::shared_lock lock(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", id));
-  return it->second->trie->memory_bytes();
+  return it->second->memory_bytes();
 }
 
-void Drafter::draft_one(const RequestTrie& trie, MatchCache* match, int budget,
-                        const ExternalTrees* external, size_t b, Scratch& s, DraftTree& out) const {
+void Drafter::draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
+                        Scratch& s, DraftTree& out) const {
   s.trees.clear();
   if (budget > 0) {
     const std::span<const token_t> context = trie.tokens();
     if (params_.use_datastore && datastore_) {
-      const QueryStats qs = datastore_->query(context, params_.datastore, s.datastore_tree, match);
+      const QueryStats qs = datastore_->query(context, params_.datastore, s.datastore_tree);
       if (qs.match_len > 0) {
         s.trees.push_back(s.datastore_tree.view(Source::kDatastore, qs.match_len, params_.datastore.branch_len));
       }
@@ -195,11 +217,11 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
   }
 
   std::shared_lock lock(mu_);
-  std::vector<Request*> reqs(n);
+  std::vector<const RequestTrie*> tries(n);
   for (size_t b = 0; b < n; ++b) {
     auto it = requests_.find(ids[b]);
     if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", ids[b]));
-    reqs[b] = it->second.get();
+    tries[b] = it->second.get();
   }
   out.resize(n);
   // One request costs a few microseconds: below a few requests per thread,
@@ -211,13 +233,7 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (size_t b = 0; b < n; ++b) {
-      capture.run([&] {
-        Request& r = *reqs[b];
-        // The match cache serves one drafting thread at a time; a concurrent
-        // draft of the same request searches without it.
-        std::unique_lock cache_lock(r.match_mu, std::try_to_lock);
-        draft_one(*r.trie, cache_lock ? &r.match : nullptr, budgets[b], external, b, scratch, out[b]);
-      });
+      capture.run([&] { draft_one(*tries[b], budgets[b], external, b, scratch, out[b]); });
     }
   }
   capture.rethrow();
@@ -231,7 +247,7 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
   trie->extend(context);
   Scratch scratch;
   DraftTree out;
-  draft_one(*trie, nullptr, budget, nullptr, 0, scratch, out);
+  draft_one(*trie, budget, nullptr, 0, scratch, out);
   return out;
 }
 

@@ -62,6 +62,16 @@ StreamStats stream_stats(std::span<const token_t> tokens, int num_threads) {
   return st;
 }
 
+std::vector<uint64_t> first_token_index(std::span<const token_t> tokens, uint64_t vocab_size) {
+  if (vocab_size > 4 * uint64_t(tokens.size()) + (uint64_t(1) << 24)) return {};
+  std::vector<uint64_t> index(size_t(vocab_size) + 1, 0);
+  for (const token_t t : tokens) {
+    if (t != kSeparator) ++index[t + 1];
+  }
+  for (size_t t = 1; t < index.size(); ++t) index[t] += index[t - 1];
+  return index;
+}
+
 FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats) {
   FileHeader h{};
   std::memcpy(h.magic, magic, 8);

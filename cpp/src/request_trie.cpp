@@ -26,7 +26,6 @@ uint32_t RequestTrie::child(uint32_t parent, token_t token) {
 }
 
 void RequestTrie::extend(std::span<const token_t> tokens) {
-  tokens_.reserve(tokens_.size() + tokens.size());
   for (const token_t t : tokens) {
     SSSD_CHECK_ARG(t != kSeparator, "token id ", t, " is reserved as the document separator");
     // The n-grams ending at the new token extend those ending one earlier.

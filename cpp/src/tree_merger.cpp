@@ -1,5 +1,7 @@
 #include "sssd/tree_merger.h"
 
+#include "sssd/continuation_tree.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -15,6 +17,7 @@ void TreeMerger::push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t par
 
 void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node, int32_t draft_parent,
                         int32_t depth, const ScoreTable& table) {
+  if (t.expander) t.expander->expand(node);
   const uint32_t begin = uint32_t(siblings_.size());
   for (uint32_t c = t.nodes[node].first_child; c != kNoNode; c = t.nodes[c].next_sibling) {
     const double weight = t.nodes[c].weight;

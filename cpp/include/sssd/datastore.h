@@ -8,6 +8,15 @@
 // below a threshold, summing the continuations of every level used into one
 // weighted tree. No continuation crosses a document separator.
 //
+// The backoff is computed without searching every level: occurrence counts
+// fall as the suffix grows, so one binary search over lengths finds the
+// "base" level (the longest suffix with >= min_occurrences occurrences).
+// Every longer level has fewer than min_occurrences <= max_samples
+// occurrences, all taken, and each is an occurrence of the base+1 suffix;
+// so the levels above the base are exactly the base+1 suffix's occurrences,
+// each weighted by how many levels it belongs to (how far the context
+// matches backwards there). Same tree as sampling level by level.
+//
 // A Datastore is immutable after construction: every const method is safe to
 // call concurrently from many threads.
 #pragma once
@@ -34,24 +43,6 @@ struct DatastoreQuery {
   uint64_t min_occurrences = 20; ///< back off to shorter suffixes while occurrences < this
   int branch_len = 16;           ///< longest continuation (tree depth), >= 1
   int64_t end_token = -1;        ///< drafted where a document ends (e.g. EOS); -1: none
-};
-
-/// A request's memory of its previous query, so that the next one can narrow
-/// the old suffix-array ranges instead of searching from scratch. When the
-/// context grew by k tokens, the suffix of length L + k extends the old
-/// suffix of length L: its range lies inside the old one, found by a binary
-/// search over the new tokens only. The longest match can also grow by at
-/// most k, which bounds the search when the extension fails.
-struct MatchCache {
-  size_t context_len = 0;  ///< context length at the previous query (0: nothing cached)
-  int match_len = 0;       ///< longest matching suffix then
-  /// ranges[j]: suffix-array range of the suffix of length match_len - j
-  std::vector<std::pair<size_t, size_t>> ranges;
-  void clear() {
-    context_len = 0;
-    match_len = 0;
-    ranges.clear();
-  }
 };
 
 /// What a query found.
@@ -92,37 +83,61 @@ class Datastore {
   size_t suffix(size_t r) const;
 
   /// [lo, hi): ranks of the suffixes that start with `pattern` (no separators).
-  std::pair<size_t, size_t> find(std::span<const token_t> pattern) const {
-    return find_in(0, n_, pattern, 0);
-  }
+  std::pair<size_t, size_t> find(std::span<const token_t> pattern) const;
 
   /// True if `pattern` occurs (stops at the first hit).
   bool occurs(std::span<const token_t> pattern) const;
 
   /// Builds the continuation tree for `context` into `out` (cleared first).
-  /// With `cache` (one per request, used by one thread at a time), reuses
-  /// and then updates the request's previous ranges; the context must have
-  /// grown only by appending since the cache was filled.
   QueryStats query(std::span<const token_t> context, const DatastoreQuery& params,
-                   ContinuationTree& out, MatchCache* cache = nullptr) const;
+                   ContinuationTree& out) const;
 
  private:
-  Datastore(Bytes tokens, Bytes suffixes, const std::string& where);
+  Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::string& where);
+  // [lo, hi) of the suffixes whose first token is t (needs the index).
+  std::pair<size_t, size_t> first_token_range(token_t t) const;
+  // Where a search for `pattern` starts: its first token's range and offset
+  // 1 with the index, else the whole array and offset 0.
+  struct Start {
+    size_t lo, hi, offset;
+  };
+  Start start(std::span<const token_t> pattern) const;
   // <0, 0, >0: suffix at `pos` is below, starts with, or is above `pattern`.
   int compare(size_t pos, std::span<const token_t> pattern) const;
   // [lo, hi) within [first, last) whose suffixes, `offset` tokens in (they
   // all share their first `offset` tokens), start with `pattern`.
   std::pair<size_t, size_t> find_in(size_t first, size_t last, std::span<const token_t> pattern,
                                     size_t offset) const;
-  // Stages (as one sorted run of `out`) up to q.max_samples continuations of
-  // the range [first, last) of a suffix of length `len`, at regular intervals.
-  void sample(size_t first, size_t last, int len, const DatastoreQuery& q,
+  // First rank whose suffix is >= pattern.
+  size_t lower_bound(std::span<const token_t> pattern) const;
+  // Stages (as one sorted run of `out`, each path weighing `weight`) up to
+  // q.max_samples continuations of the range [first, last) of a suffix of
+  // length `len`, at regular intervals.
+  void sample(size_t first, size_t last, int len, const DatastoreQuery& q, float weight,
               ContinuationTree& out) const;
+  // Stages the continuations of every occurrence in [first, last) of the
+  // context's suffix of length len, each weighing the number of context
+  // suffixes of length in [len, longest] that occur there.
+  struct Weighted {
+    int match_len = 0;         // longest match among the occurrences
+    uint64_t occurrences = 0;  // occurrences reaching it
+    uint32_t samples = 0;      // sum of weights (= samples of the levels)
+  };
+  Weighted stage_weighted(size_t first, size_t last, int len, int longest,
+                     std::span<const token_t> context, const DatastoreQuery& q,
+                     ContinuationTree& out) const;
+  // The backoff level by level (for min_occurrences > max_samples).
+  QueryStats query_levels(std::span<const token_t> context, const DatastoreQuery& q,
+                          ContinuationTree& out) const;
+  // Stages the continuation starting at text position `start` (it ends at a
+  // separator, the stream's end or branch_len tokens) into `out`.
+  void stage_continuation(size_t start, int branch_len, float weight, ContinuationTree& out) const;
 
-  Bytes tokens_bytes_, suffix_bytes_;
+  Bytes tokens_bytes_, suffix_bytes_, token_index_bytes_;
   FileHeader header_{};
   const token_t* text_ = nullptr;
   const uint8_t* sa_ = nullptr;
+  const uint64_t* first_ = nullptr;  // first-token index (vocab_size + 1 entries) or null
   size_t n_ = 0;
   int index_bytes_ = 4;
 };

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <shared_mutex>
 #include <span>
 #include <unordered_map>
@@ -60,6 +59,11 @@ class Drafter {
   void open(uint64_t id, std::span<const token_t> prompt);
   /// Appends accepted tokens to request `id`. Throws UnknownRequest if unknown.
   void extend(uint64_t id, std::span<const token_t> tokens);
+  /// Appends tokens to many requests under one lock: request ids[b] gets
+  /// tokens[offsets[b] .. offsets[b+1]). All ids are checked before any
+  /// request changes.
+  void extend_batch(std::span<const uint64_t> ids, std::span<const int64_t> offsets,
+                    std::span<const token_t> tokens);
   /// Ends request `id` and frees its state. Throws UnknownRequest if unknown.
   void close(uint64_t id);
 
@@ -92,23 +96,15 @@ class Drafter {
 
  private:
   struct Scratch;
-  /// One open request: its trie and its datastore match cache. `match_mu`
-  /// guards the cache when two threads draft the same request at once.
-  struct Request {
-    explicit Request(std::unique_ptr<RequestTrie> t) : trie(std::move(t)) {}
-    std::unique_ptr<RequestTrie> trie;
-    MatchCache match;
-    std::mutex match_mu;
-  };
-  void draft_one(const RequestTrie& trie, MatchCache* match, int budget, const ExternalTrees* external,
-                 size_t b, Scratch& scratch, DraftTree& out) const;
+  void draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
+                 Scratch& scratch, DraftTree& out) const;
   std::unique_ptr<RequestTrie> make_trie() const;
 
   std::shared_ptr<const Datastore> datastore_;
   DrafterParams params_;
   int threads_;
   mutable std::shared_mutex mu_;
-  std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
+  std::unordered_map<uint64_t, std::unique_ptr<RequestTrie>> requests_;
 };
 
 }  // namespace sssd

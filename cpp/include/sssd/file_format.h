@@ -1,19 +1,26 @@
 // On-disk layout of a datastore's binary files (format version 1).
 //
-// A datastore directory holds two files, each a 64-byte header followed by a
-// little-endian array:
+// A datastore directory holds three files, each a 64-byte header followed by
+// a little-endian array:
 //   tokens.bin        uint32 token ids, kSeparator between documents
 //   suffix_array.bin  uint32 (streams under 2^32 - 1 tokens) or uint64
 //                     suffix start positions, in suffix order
-// Both headers carry the stream's length, vocabulary size, document count and
-// a 64-bit fingerprint of the token stream, so a suffix array cannot be
-// paired with the wrong token file. Loaders check magic, version, element
-// width and file size before mapping anything.
+//   token_index.bin   uint64 first-token index: entry t is the rank of the
+//                     first suffix starting with token t, for t in
+//                     [0, vocab_size]; entry vocab_size is where the
+//                     separator-initial suffixes begin. Searches start inside
+//                     the first token's range. Empty (0 entries) when the ids
+//                     are too sparse for a dense table.
+// Every header carries the stream's length, vocabulary size, document count
+// and a 64-bit fingerprint of the token stream, so files of different streams
+// cannot be paired. Loaders check magic, version, element width and file size
+// before mapping anything.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "sssd/types.h"
 
@@ -24,6 +31,8 @@ inline constexpr char kTokensMagic[8] = {'S', 'S', 'S', 'D', 'T', 'O', 'K', 'S'}
 inline constexpr char kSuffixArrayMagic[8] = {'S', 'S', 'S', 'D', 'S', 'U', 'F', 'A'};
 inline constexpr const char* kTokensFile = "tokens.bin";
 inline constexpr const char* kSuffixArrayFile = "suffix_array.bin";
+inline constexpr char kTokenIndexMagic[8] = {'S', 'S', 'S', 'D', 'T', 'I', 'D', 'X'};
+inline constexpr const char* kTokenIndexFile = "token_index.bin";
 
 /// The 64-byte header of both files.
 struct FileHeader {
@@ -56,6 +65,10 @@ StreamStats stream_stats(std::span<const token_t> tokens, int num_threads);
 /// does not match its element count.
 FileHeader read_header(const uint8_t* bytes, size_t size, const char (&magic)[8],
                        const std::string& what);
+
+/// The first-token index of a stream with `vocab_size` (see token_index.bin);
+/// empty when vocab_size is too large for a dense table (> 4n + 2^24).
+std::vector<uint64_t> first_token_index(std::span<const token_t> tokens, uint64_t vocab_size);
 
 /// A filled-in header.
 FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats);

@@ -17,6 +17,8 @@ namespace sssd {
 
 inline constexpr uint32_t kNoNode = std::numeric_limits<uint32_t>::max();
 
+class ContinuationTree;
+
 /// One node of a continuation tree (16 bytes).
 struct TreeNode {
   token_t token;          ///< token on the edge from the parent
@@ -34,8 +36,13 @@ struct SourceTree {
   Source source = Source::kDatastore;
   int match_len = 0;                ///< tokens of context matched (0 for external trees)
   const float* draft_probs = nullptr;  ///< optional q(token | parent path), indexed like nodes
+  ContinuationTree* expander = nullptr;  ///< lazy tree: expand(node) before reading its children
 
-  bool empty() const { return root == kNoNode || nodes[root].first_child == kNoNode || total <= 0; }
+  /// No continuations. (A lazy tree's root may look childless before it is
+  /// expanded; its total decides.)
+  bool empty() const {
+    return root == kNoNode || total <= 0 || (!expander && nodes[root].first_child == kNoNode);
+  }
 };
 
 }  // namespace sssd
