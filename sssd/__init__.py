@@ -25,7 +25,8 @@ from sssd.config import (
     SourceDiscount,
 )
 from sssd.datastore import SEPARATOR, Datastore, DatastoreError
-from sssd.drafter import DEFAULT, Drafter, default_datastore_path, draft
+from sssd.drafter import DEFAULT, Drafter, draft
+from sssd.paths import default_datastore_path
 from sssd.tree import DraftBatch, DraftTree, ancestor_mask
 
 try:

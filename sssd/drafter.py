@@ -13,7 +13,6 @@ requests in C++, GIL released), and closes requests when they finish::
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,19 +24,11 @@ from sssd import _core
 from sssd._tokens import as_tokens
 from sssd.config import DrafterConfig
 from sssd.datastore import Datastore
+from sssd.paths import default_datastore_path
 from sssd.tree import DraftBatch, DraftTree
 
 #: Marker for "use the default datastore".
 DEFAULT = "default"
-
-
-def default_datastore_path() -> Path:
-    """Where the default datastore lives: $SSSD_DATASTORE, else the user cache."""
-    env = os.environ.get("SSSD_DATASTORE")
-    if env:
-        return Path(env).expanduser()
-    cache = Path(os.environ.get("SSSD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sssd")
-    return cache / "datastores" / "sharegpt-smollm2"
 
 
 def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | None:
