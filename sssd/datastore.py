@@ -92,10 +92,17 @@ class Datastore:
     def open(cls, path: str | Path) -> Datastore:
         """Maps the datastore at ``path``. Reads only headers and the manifest.
 
+        ``path`` may also be a ``.sssd.zst`` archive (``sssd build --compress``):
+        it is decompressed once into the cache, whose copy is then mapped.
+
         Raises:
             DatastoreError: missing files, bad magic/version/size, mismatched files.
         """
         path = Path(path).expanduser()
+        if path.is_file():  # a compressed archive: unpacked once into the cache, then mapped
+            from sssd.datastore_builder.archive import unpack_cached
+
+            path = unpack_cached(path)
         manifest = read_manifest(path)
         try:
             native = _core.Datastore.open(str(path))
@@ -143,6 +150,7 @@ class Datastore:
             raise FileExistsError(f"{path} already exists (pass overwrite=True to replace it)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a datastore is meant to be shared
         try:
             t0 = time.perf_counter()
             try:
@@ -192,6 +200,16 @@ class Datastore:
         """The tokenizer's vocabulary size if recorded, else 1 + the largest id in the stream."""
         tok = self.manifest.get("tokenizer") or {}
         return int(tok.get("vocab_size") or self._native.vocab_size)
+
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer.json this datastore was built with (None if it records none).
+
+        Resolved inside the datastore directory first, so a moved datastore
+        still finds its own copy."""
+        tok = self.manifest.get("tokenizer") or {}
+        if self.path is not None and tok.get("file") and (self.path / tok["file"]).is_file():
+            return self.path / tok["file"]
+        return Path(tok["path"]) if tok.get("path") else None
 
     @property
     def tokens(self) -> np.ndarray:

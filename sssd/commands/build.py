@@ -1,0 +1,94 @@
+"""``sssd build``: build a datastore from corpora (or the default one with --default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sssd.cli import command
+
+EPILOG = """\
+examples:
+  sssd build --default
+  sssd build chats.json -o ds --tokenizer model/tokenizer.json --roles assistant
+  sssd build data.jsonl --text-field prompt,response -o ds -t model/
+  sssd build shards/*.parquet --messages-field messages -o ds -t model.gguf --compress
+  cat notes.txt | sssd build - --text-split paragraph -o ds -t tokenizer.json
+"""
+
+
+@command("build", help="Build a datastore (token stream + suffix array + manifest) from ShareGPT/JSON, JSONL, "
+                       "Parquet, Arrow or text corpora, or the default datastore with --default.")
+def setup(p: argparse.ArgumentParser):
+    from sssd.datastore_builder.default import HELP as DEFAULT_HELP
+    from sssd.datastore_builder.readers import FORMATS, TEXT_SPLITS
+    from sssd.datastore_builder.sharegpt import ROLE_CHOICES
+    from sssd.datastore_builder.tokenize import BATCH_DOCS
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="corpus files, directories (searched recursively), glob patterns, or - for stdin")
+    p.add_argument("-o", "--output", help="the datastore directory to create")
+    p.add_argument("-t", "--tokenizer", help="a tokenizer.json, a local Hugging Face model folder, or a .gguf file")
+    p.add_argument("--default", action="store_true", help=DEFAULT_HELP)
+    p.add_argument("--format", choices=("auto", *FORMATS), default="auto",
+                   help="input format (default: from the extension, else the content)")
+    p.add_argument("--text-field", action="append", metavar="NAME",
+                   help="record field(s) holding text, each a document (repeat or comma-separate; default: text)")
+    p.add_argument("--messages-field", metavar="NAME",
+                   help="record field holding a chat message list (default: conversations or messages)")
+    p.add_argument("--roles", choices=ROLE_CHOICES, default="all",
+                   help="which chat turns become documents (default: all)")
+    p.add_argument("--text-split", choices=TEXT_SPLITS, default="file",
+                   help="plain text: one document per file, paragraph or line (default: file)")
+    p.add_argument("--holdout-every", type=int, default=0, metavar="N",
+                   help="hold out records whose index %% N == 0 into heldout.jsonl (default: 0, none)")
+    p.add_argument("--dedup", action="store_true", help="drop exact-duplicate documents")
+    p.add_argument("--strict", action="store_true", help="fail on the first malformed record instead of skipping it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing datastore at the output")
+    p.add_argument("--compress", action="store_true",
+                   help="also write OUTPUT.sssd.zst, a zstd-compressed single-file archive (sssd opens it directly)")
+    p.add_argument("--threads", type=int, default=0, help="threads for the suffix sort (default: 0, all cores)")
+    p.add_argument("--batch-docs", type=int, default=BATCH_DOCS, help="documents per tokenizer batch")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notices; only the summary")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    def run(args: argparse.Namespace) -> int:
+        from sssd.datastore_builder.build import BuildConfig, build_datastore, terminate_as_interrupt
+        from sssd.datastore_builder.readers import Fields
+
+        text_fields = tuple(f.strip() for spec in args.text_field or [] for f in spec.split(",") if f.strip())
+        fields = Fields(text_fields=text_fields, messages_field=args.messages_field, text_split=args.text_split,
+                        roles=args.roles)
+        log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if args.batch_docs < 1:
+            raise ValueError("--batch-docs must be >= 1")
+        if args.holdout_every < 0:
+            raise ValueError("--holdout-every must be >= 0")
+        if args.default:
+            if args.inputs or args.tokenizer:
+                raise ValueError("--default builds from the packaged corpus with the default tokenizer; "
+                                 "give no INPUT or --tokenizer with it")
+            from sssd.datastore_builder.default import default_config
+
+            cfg = default_config(args.output, overwrite=args.overwrite, compress=args.compress, dedup=args.dedup,
+                                 strict=args.strict, num_threads=args.threads, batch_docs=args.batch_docs,
+                                 progress=not args.quiet, log=log)
+        else:
+            if not args.inputs:
+                raise ValueError("no inputs: give corpus files, directories or - (or --default)")
+            if not args.output:
+                raise ValueError("give the datastore directory to create with -o/--output")
+            if not args.tokenizer:
+                raise ValueError("give the tokenizer with -t/--tokenizer (tokenizer.json, model folder or .gguf)")
+            cfg = BuildConfig(inputs=args.inputs, output=args.output, tokenizer=args.tokenizer, format=args.format,
+                              fields=fields, holdout_every=args.holdout_every, dedup=args.dedup, strict=args.strict,
+                              overwrite=args.overwrite, compress=args.compress, num_threads=args.threads,
+                              batch_docs=args.batch_docs, progress=not args.quiet, log=log)
+        with terminate_as_interrupt():
+            result = build_datastore(cfg)
+        print(result.summary())
+        return 0
+
+    return run

