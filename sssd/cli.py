@@ -69,4 +69,7 @@ def print_json(obj) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module, where the subcommands register.
+    from sssd.cli import main as _main
+
+    sys.exit(_main())

@@ -8,6 +8,25 @@ import time
 from sssd.cli import command
 
 
+def ensure_default_datastore() -> None:
+    """Builds the default datastore the first time it is needed (about a minute)."""
+    import sys
+
+    from sssd.paths import default_datastore_path
+
+    path = default_datastore_path()
+    if (path / "manifest.json").exists():
+        return
+    print(f"The default datastore is not built yet: building it now into {path} (once; about a minute).",
+          file=sys.stderr)
+    from sssd.datastore_builder.build import build_datastore, terminate_as_interrupt
+    from sssd.datastore_builder.default import default_config
+
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    with terminate_as_interrupt():
+        print(build_datastore(default_config(log=log)).summary(), file=sys.stderr)
+
+
 @command("draft", help="Draft continuations of a text (or token ids) from the datastore and the text itself.")
 def setup(p: argparse.ArgumentParser):
     p.add_argument("text", nargs="?", help="the context to continue (tokenized with the datastore's tokenizer)")
@@ -24,22 +43,26 @@ def setup(p: argparse.ArgumentParser):
 
         from sssd.cli import print_json
         from sssd.config import DrafterConfig
-        from sssd.drafter import Drafter
+        from sssd.drafter import Drafter, resolve_datastore
 
         if (args.text is None) == (args.ids is None):
             raise ValueError("give either TEXT or --ids")
+        if args.datastore == "default":
+            ensure_default_datastore()
         config = DrafterConfig.load(args.config) if args.config else DrafterConfig()
-        drafter = Drafter(None if args.datastore == "none" else args.datastore, config, budget=args.budget)
-        decode = None
-        if args.ids is not None:
-            ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x]
-        else:
+        datastore = None if args.datastore == "none" else resolve_datastore(args.datastore)
+        decode = tok = None
+        if args.ids is None:
             from sssd.tokenizer import load_tokenizer
 
-            spec = args.tokenizer or (drafter.datastore.manifest.get("tokenizer", {}).get("path") if drafter.datastore else None)
+            spec = args.tokenizer or (datastore.tokenizer_path() if datastore else None)
             if not spec:
                 raise ValueError("this datastore records no tokenizer; pass --tokenizer or use --ids")
             tok = load_tokenizer(spec)
+        drafter = Drafter(datastore, config, tokenizer=tok, budget=args.budget)
+        if args.ids is not None:
+            ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x]
+        else:
             ids = tok.encode(args.text)
             decode = tok.decode
         t0 = time.perf_counter()
