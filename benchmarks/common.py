@@ -1,0 +1,62 @@
+"""Shared helpers for the benchmarks: machine info, JSON-lines records, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem_gib, "python": platform.python_version()}
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Recorder:
+    """Appends one JSON object per measurement to benchmarks/out/<name>.jsonl."""
+
+    def __init__(self, name: str, params: dict):
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        self.path = OUT_DIR / f"{name}.jsonl"
+        self.header = {"benchmark": name, "git": git_sha(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "params": params}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"header": self.header}) + "\n")
+
+    def add(self, **record) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def now() -> float:
+    return time.perf_counter()
