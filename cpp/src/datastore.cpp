@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "sssd/check.h"
+#include "sssd/coro.h"
 
 namespace sssd {
 namespace {
@@ -173,53 +174,12 @@ int Datastore::compare(size_t pos, std::span<const token_t> pattern) const {
   return 0;
 }
 
-namespace {
-// Prefetches the suffix-array entries that the next binary-search step may
-// read, so that step waits for one miss (the text) instead of two.
-inline void prefetch_next(const uint8_t* sa, int width, size_t lo, size_t mid, size_t hi) {
-  __builtin_prefetch(sa + (lo + (mid - lo) / 2) * size_t(width));
-  __builtin_prefetch(sa + (mid + 1 + (hi - mid - 1) / 2) * size_t(width));
-}
-}  // namespace
-
 std::pair<size_t, size_t> Datastore::find_in(size_t first, size_t last,
                                              std::span<const token_t> pattern, size_t offset) const {
-  // Three phases (as in infini-gram): narrow both ends until one probe
-  // matches, then finish the lower and upper bounds on either side of it.
-  size_t lo = first, hi = last;
-  while (lo < hi) {
-    const size_t mid = lo + (hi - lo) / 2;
-    prefetch_next(sa_, index_bytes_, lo, mid, hi);
-    const int c = compare(suffix(mid) + offset, pattern);
-    if (c < 0) {
-      lo = mid + 1;
-    } else if (c > 0) {
-      hi = mid;
-    } else {
-      size_t a = lo, b = mid;  // lower bound in [lo, mid]
-      while (a < b) {
-        const size_t m = a + (b - a) / 2;
-        prefetch_next(sa_, index_bytes_, a, m, b);
-        if (compare(suffix(m) + offset, pattern) < 0) {
-          a = m + 1;
-        } else {
-          b = m;
-        }
-      }
-      size_t c2 = mid + 1, d = hi;  // upper bound in [mid + 1, hi]
-      while (c2 < d) {
-        const size_t m = c2 + (d - c2) / 2;
-        prefetch_next(sa_, index_bytes_, c2, m, d);
-        if (compare(suffix(m) + offset, pattern) <= 0) {
-          c2 = m + 1;
-        } else {
-          d = m;
-        }
-      }
-      return {a, c2};
-    }
-  }
-  return {lo, lo};
+  auto lower = bound(first, last, pattern, offset, /*upper=*/false);
+  const size_t lo = run(lower);
+  auto upper = bound(lo, last, pattern, offset, /*upper=*/true);
+  return {lo, run(upper)};
 }
 
 Datastore::Start Datastore::start(std::span<const token_t> pattern) const {
@@ -233,38 +193,45 @@ std::pair<size_t, size_t> Datastore::find(std::span<const token_t> pattern) cons
   return find_in(s.lo, s.hi, pattern.subspan(s.offset), s.offset);
 }
 
-size_t Datastore::lower_bound(std::span<const token_t> pattern) const {
-  const Start s = start(pattern);
-  size_t lo = s.lo, hi = s.hi;
-  const auto rest = pattern.subspan(s.offset);
-  while (lo < hi) {
-    const size_t mid = lo + (hi - lo) / 2;
-    prefetch_next(sa_, index_bytes_, lo, mid, hi);
-    if (compare(suffix(mid) + s.offset, rest) < 0) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
+bool Datastore::occurs(std::span<const token_t> pattern) const {
+  const auto [lo, hi] = find(pattern);
+  return hi > lo;
 }
 
-bool Datastore::occurs(std::span<const token_t> pattern) const {
-  const Start s = start(pattern);
-  size_t lo = s.lo, hi = s.hi;
-  const auto rest = pattern.subspan(s.offset);
+Task<size_t> Datastore::bound(size_t lo, size_t hi, std::span<const token_t> rest, size_t offset,
+                              bool upper) const {
+  // First rank in [lo, hi) whose suffix, `offset` tokens in, is >= rest
+  // (> rest if upper). Every probe is two dependent misses: the suffix-array
+  // entry, then the text it points at.
   while (lo < hi) {
     const size_t mid = lo + (hi - lo) / 2;
-    prefetch_next(sa_, index_bytes_, lo, mid, hi);
-    const int c = compare(suffix(mid) + s.offset, rest);
-    if (c == 0) return true;
-    if (c < 0) {
+    co_await Prefetch{sa_ + mid * size_t(index_bytes_)};
+    const size_t pos = suffix(mid) + offset;
+    co_await Prefetch{text_ + std::min(pos, n_ - 1)};
+    const int c = compare(pos, rest);
+    if (upper ? c <= 0 : c < 0) {
       lo = mid + 1;
     } else {
       hi = mid;
     }
   }
-  return false;
+  co_return lo;
+}
+
+Task<Datastore::Bound> Datastore::at_least(std::span<const token_t> pattern, size_t need) const {
+  // The lower bound, and whether `need` suffixes from it on start with pattern.
+  const Start s = start(pattern);
+  const auto rest = pattern.subspan(s.offset);
+  Bound b;
+  b.lower = co_await bound(s.lo, s.hi, rest, s.offset, /*upper=*/false);
+  const size_t last = b.lower + need - 1;
+  if (last < s.hi) {
+    co_await Prefetch{sa_ + last * size_t(index_bytes_)};
+    const size_t pos = suffix(last) + s.offset;
+    co_await Prefetch{text_ + std::min(pos, n_ - 1)};
+    b.enough = compare(pos, rest) == 0;
+  }
+  co_return b;
 }
 
 void Datastore::stage_continuation(size_t start, int branch_len, float weight,
@@ -279,8 +246,8 @@ void Datastore::stage_continuation(size_t start, int branch_len, float weight,
   out.stage({text_ + std::min(start, n_), p - std::min(start, n_)}, end, weight);
 }
 
-void Datastore::sample(size_t first, size_t last, int len, const DatastoreQuery& q, float weight,
-                       ContinuationTree& out) const {
+Task<bool> Datastore::sample(size_t first, size_t last, int len, DatastoreQuery q, float weight,
+                             ContinuationTree* out) const {
   const size_t count = last - first;
   const size_t take = std::min<size_t>(count, q.max_samples);
   // Regular intervals, centred in each of `take` equal slices of the range.
@@ -293,30 +260,30 @@ void Datastore::sample(size_t first, size_t last, int len, const DatastoreQuery&
   // Issue every suffix-array read, then every text read, before using any:
   // the misses overlap instead of queueing.
   for (size_t k = 0; k < take; ++k) __builtin_prefetch(sa_ + rank_of(k) * size_t(index_bytes_));
-  size_t starts[512];
-  std::vector<size_t> big;
-  size_t* start = take <= 512 ? starts : (big.resize(take), big.data());
+  co_await Prefetch{sa_ + rank_of(take - 1) * size_t(index_bytes_)};
+  std::vector<size_t> start(take);
   for (size_t k = 0; k < take; ++k) {
     start[k] = suffix(rank_of(k)) + size_t(len);
     __builtin_prefetch(text_ + std::min(start[k], n_ - 1));
-    __builtin_prefetch(text_ + std::min(start[k] + size_t(q.branch_len) - 1, n_ - 1));
   }
-  for (size_t k = 0; k < take; ++k) stage_continuation(start[k], q.branch_len, weight, out);
-  out.end_run();
+  co_await Prefetch{text_ + std::min(start[take - 1], n_ - 1)};
+  for (size_t k = 0; k < take; ++k) stage_continuation(start[k], q.branch_len, weight, *out);
+  out->end_run();
+  co_return true;
 }
 
-Datastore::Weighted Datastore::stage_weighted(size_t first, size_t last, int len, int longest,
-                                              std::span<const token_t> context,
-                                              const DatastoreQuery& q, ContinuationTree& out) const {
+Task<Datastore::Weighted> Datastore::stage_weighted(size_t first, size_t last, int len, int longest,
+                                                    std::span<const token_t> context,
+                                                    DatastoreQuery q, ContinuationTree* out) const {
   const size_t count = last - first;
-  size_t starts[512];
-  std::vector<size_t> big;
-  size_t* pos = count <= 512 ? starts : (big.resize(count), big.data());
+  for (size_t k = 0; k < count; ++k) __builtin_prefetch(sa_ + (first + k) * size_t(index_bytes_));
+  co_await Prefetch{sa_ + (last - 1) * size_t(index_bytes_)};
+  std::vector<size_t> pos(count);
   for (size_t k = 0; k < count; ++k) {
     pos[k] = suffix(first + k);
     __builtin_prefetch(text_ + (pos[k] > 16 ? pos[k] - 16 : 0));
-    __builtin_prefetch(text_ + std::min(pos[k] + size_t(len) + size_t(q.branch_len) - 1, n_ - 1));
   }
+  co_await Prefetch{text_ + (pos[count - 1] > 16 ? pos[count - 1] - 16 : 0)};
   Weighted w;
   w.match_len = len;
   const size_t ctx_n = context.size();
@@ -334,10 +301,10 @@ Datastore::Weighted Datastore::stage_weighted(size_t first, size_t last, int len
     }
     if (match == w.match_len) ++w.occurrences;
     w.samples += uint32_t(match - len + 1);
-    stage_continuation(pos[k] + size_t(len), q.branch_len, float(match - len + 1), out);
+    stage_continuation(pos[k] + size_t(len), q.branch_len, float(match - len + 1), *out);
   }
-  out.end_run();
-  return w;
+  out->end_run();
+  co_return w;
 }
 
 QueryStats Datastore::query_levels(std::span<const token_t> context, const DatastoreQuery& q,
@@ -359,7 +326,8 @@ QueryStats Datastore::query_levels(std::span<const token_t> context, const Datas
   for (int len = lo; len >= q.min_match; --len) {
     const auto [first, last] = find(suffix_of(len));
     if (len == lo) stats.occurrences = last - first;
-    sample(first, last, len, q, 1.0f, out);
+    auto t = sample(first, last, len, q, 1.0f, &out);
+    run(t);
     stats.samples += uint32_t(std::min<size_t>(last - first, q.max_samples));
     ++stats.levels;
     if (last - first >= q.min_occurrences) break;
@@ -370,28 +338,29 @@ QueryStats Datastore::query_levels(std::span<const token_t> context, const Datas
 
 QueryStats Datastore::query(std::span<const token_t> context, const DatastoreQuery& q,
                             ContinuationTree& out) const {
-  out.clear();
+  auto task = query_task(context, q, &out);
+  return run(task);
+}
+
+Task<QueryStats> Datastore::query_task(std::span<const token_t> context, DatastoreQuery q,
+                                       ContinuationTree* out) const {
+  out->clear();
   const int longest = int(std::min<size_t>(context.size(), size_t(q.max_match)));
-  if (longest < q.min_match || n_ == 0) return {};
-  if (q.min_occurrences > q.max_samples) return query_levels(context, q, out);
+  if (longest < q.min_match || n_ == 0) co_return QueryStats{};
+  if (q.min_occurrences > q.max_samples) co_return query_levels(context, q, *out);
   auto suffix_of = [&](int len) { return context.subspan(context.size() - size_t(len)); };
   const size_t need = std::max<uint64_t>(q.min_occurrences, 1);
 
-  // Lower bounds by length (kUnset until searched), and whether that suffix
-  // occurs >= need times: its need-th occurrence would sit need-1 ranks on.
+  // Base: the longest suffix occurring >= need times (counts fall with
+  // length). Lower bounds are kept by length (kUnset until searched).
   constexpr size_t kUnset = ~size_t(0);
-  size_t bound[1026];
-  std::fill(bound, bound + longest + 2, kUnset);
-  auto at_least = [&](int len) {
-    const auto pattern = suffix_of(len);
-    bound[len] = lower_bound(pattern);
-    return bound[len] + need - 1 < n_ && compare(suffix(bound[len] + need - 1), pattern) == 0;
-  };
-  // Base: the longest suffix occurring >= need times (counts fall with length).
+  std::vector<size_t> bound_of(size_t(longest) + 2, kUnset);
   int lo = q.min_match - 1, hi = longest;  // holds at lo (or lo < min_match); search (lo, hi]
   while (lo < hi) {
     const int mid = lo + (hi - lo + 1) / 2;
-    if (at_least(mid)) {
+    const Bound b = co_await at_least(suffix_of(mid), need);
+    bound_of[size_t(mid)] = b.lower;
+    if (b.enough) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -405,11 +374,18 @@ QueryStats Datastore::query(std::span<const token_t> context, const DatastoreQue
   // than `need` <= max_samples), weighted by the levels it belongs to.
   if (base + 1 <= longest) {
     const auto pattern = suffix_of(base + 1);
-    if (bound[base + 1] == kUnset) bound[base + 1] = lower_bound(pattern);
-    size_t last = bound[base + 1];
-    while (last < n_ && compare(suffix(last), pattern) == 0) ++last;
-    if (last > bound[base + 1]) {
-      const Weighted w = stage_weighted(bound[base + 1], last, base + 1, longest, context, q, out);
+    const Start st = start(pattern);
+    const auto rest = pattern.subspan(st.offset);
+    size_t first = bound_of[size_t(base + 1)];
+    if (first == kUnset) first = co_await bound(st.lo, st.hi, rest, st.offset, /*upper=*/false);
+    size_t last = first;
+    while (last < st.hi) {
+      co_await Prefetch{text_ + std::min(suffix(last) + st.offset, n_ - 1)};
+      if (compare(suffix(last) + st.offset, rest) != 0) break;
+      ++last;
+    }
+    if (last > first) {
+      const Weighted w = co_await stage_weighted(first, last, base + 1, longest, context, q, out);
       stats.match_len = w.match_len;
       stats.occurrences = w.occurrences;
       stats.samples += w.samples;
@@ -418,28 +394,17 @@ QueryStats Datastore::query(std::span<const token_t> context, const DatastoreQue
   // The base level itself, sampled at regular intervals.
   if (base >= q.min_match) {
     const auto pattern = suffix_of(base);
-    const size_t first = bound[base];
-    // upper bound in [first + need, end of the first token's range]
     const Start st = start(pattern);
-    size_t a = first + need, b = st.hi;
-    const auto rest = pattern.subspan(st.offset);
-    while (a < b) {
-      const size_t m = a + (b - a) / 2;
-      prefetch_next(sa_, index_bytes_, a, m, b);
-      if (compare(suffix(m) + st.offset, rest) <= 0) {
-        a = m + 1;
-      } else {
-        b = m;
-      }
-    }
-    sample(first, a, base, q, 1.0f, out);
-    stats.samples += uint32_t(std::min<size_t>(a - first, q.max_samples));
-    if (stats.match_len == base) stats.occurrences = a - first;
+    const size_t first = bound_of[size_t(base)];
+    const size_t last = co_await bound(first + need, st.hi, pattern.subspan(st.offset), st.offset, /*upper=*/true);
+    co_await sample(first, last, base, q, 1.0f, out);
+    stats.samples += uint32_t(std::min<size_t>(last - first, q.max_samples));
+    if (stats.match_len == base) stats.occurrences = last - first;
   }
-  if (stats.match_len == 0) return {};
+  if (stats.match_len == 0) co_return QueryStats{};
   stats.levels = stats.match_len - std::max(base, q.min_match) + 1;
-  out.commit_runs(q.end_token);
-  return stats;
+  out->commit_runs(q.end_token);
+  co_return stats;
 }
 
 }  // namespace sssd

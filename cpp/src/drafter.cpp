@@ -5,14 +5,20 @@
 
 #include "sssd/check.h"
 #include "sssd/continuation_tree.h"
+#include "sssd/coro.h"
 #include "sssd/parallel.h"
 #include "sssd/tree_merger.h"
 
 namespace sssd {
 
+// Datastore queries interleaved per thread (see coro.h): enough misses in
+// flight to hide memory latency, few enough that their trees stay in cache.
+constexpr size_t kInterleave = 16;
+
 // Per-thread buffers reused across the requests of a batch.
 struct Drafter::Scratch {
-  ContinuationTree datastore_tree;
+  ContinuationTree datastore_trees[kInterleave];
+  std::vector<Task<QueryStats>> queries;
   ContinuationTree external_tree;
   std::vector<float> external_q;
   std::vector<SourceTree> trees;
@@ -136,16 +142,32 @@ size_t Drafter::request_memory(uint64_t id) const {
   return it->second->memory_bytes();
 }
 
+void Drafter::draft_group(const RequestTrie* const* tries, const int32_t* budgets,
+                          const ExternalTrees* external, size_t begin, size_t end, Scratch& s,
+                          DraftTree* out) const {
+  // The group's datastore queries run interleaved, then each request merges.
+  const bool use_ds = params_.use_datastore && datastore_;
+  s.queries.clear();
+  for (size_t b = begin; b < end && use_ds; ++b) {
+    const auto context = budgets[b] > 0 ? tries[b]->tokens() : std::span<const token_t>{};
+    s.queries.push_back(datastore_->query_task(context, params_.datastore, &s.datastore_trees[b - begin]));
+  }
+  run_interleaved(std::span<Task<QueryStats>>(s.queries));
+  for (size_t b = begin; b < end; ++b) {
+    const QueryStats qs = use_ds ? s.queries[b - begin].result() : QueryStats{};
+    draft_one(*tries[b], budgets[b], external, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs, s,
+              out[b]);
+  }
+}
+
 void Drafter::draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
-                        Scratch& s, DraftTree& out) const {
+                        ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& s,
+                        DraftTree& out) const {
   s.trees.clear();
   if (budget > 0) {
     const std::span<const token_t> context = trie.tokens();
-    if (params_.use_datastore && datastore_) {
-      const QueryStats qs = datastore_->query(context, params_.datastore, s.datastore_tree);
-      if (qs.match_len > 0) {
-        s.trees.push_back(s.datastore_tree.view(Source::kDatastore, qs.match_len, params_.datastore.branch_len));
-      }
+    if (datastore_tree && qs.match_len > 0) {
+      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, params_.datastore.branch_len));
     }
     if (params_.use_input) {
       const int longest = int(std::min<size_t>(context.size(), size_t(params_.input_max_match)));
@@ -224,16 +246,20 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     tries[b] = it->second.get();
   }
   out.resize(n);
-  // One request costs a few microseconds: below a few requests per thread,
-  // starting the team costs more than it saves.
-  const int threads = n >= 4 ? std::min<int>(threads_, int(n)) : 1;
+  // Work is handed out by groups of interleaved requests; a batch of one
+  // group stays on the calling thread (starting a team costs more).
+  const size_t groups = (n + kInterleave - 1) / kInterleave;
+  const int threads = std::min<int>(threads_, int(groups));
   ExceptionCapture capture;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (size_t b = 0; b < n; ++b) {
-      capture.run([&] { draft_one(*tries[b], budgets[b], external, b, scratch, out[b]); });
+    for (size_t g = 0; g < groups; ++g) {
+      capture.run([&] {
+        draft_group(tries.data(), budgets.data(), external, g * kInterleave, std::min(n, (g + 1) * kInterleave),
+                    scratch, out.data());
+      });
     }
   }
   capture.rethrow();
@@ -247,7 +273,8 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
   trie->extend(context);
   Scratch scratch;
   DraftTree out;
-  draft_one(*trie, budget, nullptr, 0, scratch, out);
+  const RequestTrie* tries[1] = {trie.get()};
+  draft_group(tries, &budget, nullptr, 0, 1, scratch, &out);
   return out;
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "sssd/continuation_tree.h"
+#include "sssd/coro.h"
 #include "sssd/file_format.h"
 #include "sssd/mapped_file.h"
 #include "sssd/suffix_sort.h"
@@ -85,15 +86,23 @@ class Datastore {
   /// [lo, hi): ranks of the suffixes that start with `pattern` (no separators).
   std::pair<size_t, size_t> find(std::span<const token_t> pattern) const;
 
-  /// True if `pattern` occurs (stops at the first hit).
+  /// True if `pattern` occurs.
   bool occurs(std::span<const token_t> pattern) const;
 
   /// Builds the continuation tree for `context` into `out` (cleared first).
   QueryStats query(std::span<const token_t> context, const DatastoreQuery& params,
                    ContinuationTree& out) const;
 
+  /// The same query as a coroutine, for interleaving many queries with
+  /// run_interleaved() (see coro.h): each waits on its cache misses while the
+  /// others run. `context` and `*out` must outlive the task.
+  Task<QueryStats> query_task(std::span<const token_t> context, DatastoreQuery params,
+                              ContinuationTree* out) const;
+
  private:
   Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::string& where);
+  // <0, 0, >0: suffix at `pos` is below, starts with, or is above `pattern`.
+  int compare(size_t pos, std::span<const token_t> pattern) const;
   // [lo, hi) of the suffixes whose first token is t (needs the index).
   std::pair<size_t, size_t> first_token_range(token_t t) const;
   // Where a search for `pattern` starts: its first token's range and offset
@@ -102,19 +111,27 @@ class Datastore {
     size_t lo, hi, offset;
   };
   Start start(std::span<const token_t> pattern) const;
-  // <0, 0, >0: suffix at `pos` is below, starts with, or is above `pattern`.
-  int compare(size_t pos, std::span<const token_t> pattern) const;
   // [lo, hi) within [first, last) whose suffixes, `offset` tokens in (they
   // all share their first `offset` tokens), start with `pattern`.
   std::pair<size_t, size_t> find_in(size_t first, size_t last, std::span<const token_t> pattern,
                                     size_t offset) const;
-  // First rank whose suffix is >= pattern.
-  size_t lower_bound(std::span<const token_t> pattern) const;
+  // First rank in [lo, hi) whose suffix, `offset` tokens in, is >= rest (> if upper).
+  Task<size_t> bound(size_t lo, size_t hi, std::span<const token_t> rest, size_t offset,
+                     bool upper) const;
+  // Lower bound of `pattern`, and whether it occurs at least `need` times.
+  struct Bound {
+    size_t lower = 0;
+    bool enough = false;
+  };
+  Task<Bound> at_least(std::span<const token_t> pattern, size_t need) const;
+  // Stages the continuation starting at text position `start` (it ends at a
+  // separator, the stream's end or branch_len tokens) into `out`.
+  void stage_continuation(size_t start, int branch_len, float weight, ContinuationTree& out) const;
   // Stages (as one sorted run of `out`, each path weighing `weight`) up to
   // q.max_samples continuations of the range [first, last) of a suffix of
   // length `len`, at regular intervals.
-  void sample(size_t first, size_t last, int len, const DatastoreQuery& q, float weight,
-              ContinuationTree& out) const;
+  Task<bool> sample(size_t first, size_t last, int len, DatastoreQuery q, float weight,
+                    ContinuationTree* out) const;
   // Stages the continuations of every occurrence in [first, last) of the
   // context's suffix of length len, each weighing the number of context
   // suffixes of length in [len, longest] that occur there.
@@ -123,15 +140,12 @@ class Datastore {
     uint64_t occurrences = 0;  // occurrences reaching it
     uint32_t samples = 0;      // sum of weights (= samples of the levels)
   };
-  Weighted stage_weighted(size_t first, size_t last, int len, int longest,
-                     std::span<const token_t> context, const DatastoreQuery& q,
-                     ContinuationTree& out) const;
+  Task<Weighted> stage_weighted(size_t first, size_t last, int len, int longest,
+                                std::span<const token_t> context, DatastoreQuery q,
+                                ContinuationTree* out) const;
   // The backoff level by level (for min_occurrences > max_samples).
   QueryStats query_levels(std::span<const token_t> context, const DatastoreQuery& q,
                           ContinuationTree& out) const;
-  // Stages the continuation starting at text position `start` (it ends at a
-  // separator, the stream's end or branch_len tokens) into `out`.
-  void stage_continuation(size_t start, int branch_len, float weight, ContinuationTree& out) const;
 
   Bytes tokens_bytes_, suffix_bytes_, token_index_bytes_;
   FileHeader header_{};

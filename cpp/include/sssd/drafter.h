@@ -96,8 +96,11 @@ class Drafter {
 
  private:
   struct Scratch;
+  void draft_group(const RequestTrie* const* tries, const int32_t* budgets, const ExternalTrees* external,
+                   size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
   void draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
-                 Scratch& scratch, DraftTree& out) const;
+                 ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& scratch,
+                 DraftTree& out) const;
   std::unique_ptr<RequestTrie> make_trie() const;
 
   std::shared_ptr<const Datastore> datastore_;
