@@ -50,6 +50,7 @@ def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | N
 
 
 def _request_ids(ids: Any) -> np.ndarray:
+    """Request ids as a 1-D integer array (negatives are refused in C++)."""
     arr = np.asarray(ids)
     if arr.ndim == 0:
         arr = arr.reshape(1)
@@ -57,9 +58,9 @@ def _request_ids(ids: Any) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"request ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and int(arr.min()) < 0:
-        raise ValueError(f"request ids must be >= 0, got {int(arr.min())}")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    if arr.ndim != 1:
+        raise TypeError(f"request ids must be 1-D, got shape {arr.shape}")
+    return np.ascontiguousarray(arr)
 
 
 def _request_id(rid: Any) -> int:
@@ -171,18 +172,23 @@ class Drafter:
         Raises:
             KeyError: an id is not open. ValueError: a budget is out of range.
         """
+        # Ranges (ids >= 0, budgets in [0, MAX_BUDGET]) are checked in C++:
+        # numpy reductions would cost more than drafting a small batch.
         ids = _request_ids(request_ids)
         if budgets is None:
             budgets = self.config.budget
-        b = np.asarray(budgets)
-        if b.dtype.kind not in "iu":
-            raise TypeError(f"budgets must be integers, got dtype {b.dtype}")
-        if b.ndim == 0:
-            b = np.full(ids.shape[0], int(b))
+        if isinstance(budgets, (int, np.integer)) and not isinstance(budgets, bool):
+            b = np.full(ids.shape[0], budgets, dtype=np.int32) if -2**31 <= budgets < 2**31 else np.array([budgets])
+        else:
+            b = np.asarray(budgets)
+            if b.dtype.kind not in "iu":
+                raise TypeError(f"budgets must be integers, got dtype {b.dtype}")
         if b.shape != ids.shape:
-            raise ValueError(f"got {ids.shape[0]} request ids but {b.shape[0]} budgets")
-        if b.size and (int(b.min()) < 0 or int(b.max()) > int(_core.MAX_BUDGET)):
-            raise ValueError(f"budgets must be in [0, {int(_core.MAX_BUDGET)}], got {int(b.min())}..{int(b.max())}")
+            raise ValueError(f"got {ids.shape[0]} request ids but {b.shape[0] if b.ndim else 1} budgets")
+        if b.dtype != np.int32:
+            if b.size and (int(b.min()) < -2**31 or int(b.max()) >= 2**31):
+                raise ValueError(f"budgets must be in [0, {int(_core.MAX_BUDGET)}]")
+            b = b.astype(np.int32)
         ext = None
         if external is not None:
             if len(external) != ids.shape[0]:
@@ -193,7 +199,7 @@ class Drafter:
                 "parents": np.ascontiguousarray(external.parents, dtype=np.int32),
                 "probs": np.ascontiguousarray(external.draft_probs, dtype=np.float32),
             }
-        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b, dtype=np.int32), ext))
+        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext))
 
     def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:
         """Drafts once for a token prefix without opening a request."""

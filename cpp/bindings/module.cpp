@@ -31,6 +31,7 @@ namespace py = pybind11;
 using namespace pybind11::literals;
 using sssd::py_util::borrow;
 using sssd::py_util::to_numpy;
+using sssd::py_util::RequestIds;
 using sssd::py_util::Tokens;
 using sssd::py_util::view;
 
@@ -286,11 +287,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       }, "request_id"_a, "tokens"_a)
       .def("extend_batch", [](sssd::Drafter& d, const py::array& ids, const py::array& offsets,
                               const py::array& tokens) {
-        const auto id_span = borrow<uint64_t>(ids, "request_ids");
+        const RequestIds id_span(ids);
         const auto off = borrow<int64_t>(offsets, "offsets");
         const Tokens t(tokens, "tokens");
         py::gil_scoped_release release;
-        d.extend_batch(id_span, off, t.span());
+        d.extend_batch(id_span.span(), off, t.span());
       }, "request_ids"_a, "offsets"_a, "tokens"_a)
       .def("close", [](sssd::Drafter& d, uint64_t id) {
         py::gil_scoped_release release;
@@ -304,7 +305,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def_property_readonly("num_threads", &sssd::Drafter::num_threads)
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
                        py::object external) {
-        const auto id_span = borrow<uint64_t>(ids, "request_ids");
+        const RequestIds id_span(ids);
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
         std::optional<sssd::ExternalTrees> ext;
         std::optional<Tokens> ext_tokens;
@@ -321,7 +322,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         {
           py::gil_scoped_release release;
           std::vector<sssd::DraftTree> trees;
-          d.draft(id_span, budget_span, trees, ext ? &*ext : nullptr);
+          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr);
           batch = sssd::concat(trees);
         }
         return draft_batch_to_dict(std::move(batch));

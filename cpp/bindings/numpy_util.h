@@ -94,6 +94,36 @@ class Tokens {
   std::span<const token_t> view_;
 };
 
+/// Request ids (uint64) from a 1-D integer array: borrowed when it is
+/// C-contiguous uint64, else converted once (negative ids raise ValueError).
+class RequestIds {
+ public:
+  explicit RequestIds(const py::array& arr) {
+    const char kind = arr.dtype().kind();
+    if (arr.ndim() != 1 || (kind != 'i' && kind != 'u')) {
+      throw py::type_error("request ids must be a 1-D array of integers");
+    }
+    if (arr.dtype().is(py::dtype::of<uint64_t>()) && (arr.flags() & py::array::c_style)) {
+      view_ = {static_cast<const uint64_t*>(arr.data()), size_t(arr.shape(0))};
+      return;
+    }
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> a(arr);
+    owned_.resize(size_t(a.shape(0)));
+    for (size_t i = 0; i < owned_.size(); ++i) {
+      if (a.data()[i] < 0) {
+        throw py::value_error("request ids must be >= 0, got " + std::to_string(a.data()[i]));
+      }
+      owned_[i] = uint64_t(a.data()[i]);
+    }
+    view_ = owned_;
+  }
+  std::span<const uint64_t> span() const { return view_; }
+
+ private:
+  std::vector<uint64_t> owned_;
+  std::span<const uint64_t> view_;
+};
+
 /// Moves `v` into a new 1-D numpy array without copying its data.
 template <typename T>
 py::array_t<T> to_numpy(std::vector<T>&& v) {
