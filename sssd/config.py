@@ -48,6 +48,41 @@ class SourceDiscount:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Calibration curves fitted by ``sssd calibrate``: for each source and each
+    (match-length bin, depth bin), a monotone piecewise-linear map from the
+    source's probability to the observed acceptance probability. With them,
+    priorities are acceptance probabilities and comparable across sources.
+
+    Attributes:
+        match_bins: lower edges of the match-length bins, increasing, from 0.
+        depth_bins: lower edges of the depth bins, increasing, from 1.
+        curves: (source, match_bin, depth_bin, knots, values) per fitted cell;
+            cells without a curve use the raw probability.
+    """
+
+    match_bins: tuple[int, ...] = (0,)
+    depth_bins: tuple[int, ...] = (1,)
+    curves: tuple[tuple[int, int, int, tuple[float, ...], tuple[float, ...]], ...] = ()
+
+    @staticmethod
+    def bin_of(edges: tuple[int, ...], value: int) -> int:
+        i = 0
+        while i + 1 < len(edges) and edges[i + 1] <= value:
+            i += 1
+        return i
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"match_bins": list(self.match_bins), "depth_bins": list(self.depth_bins),
+                "curves": [[s, m, d, list(x), list(y)] for s, m, d, x, y in self.curves]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        return cls(tuple(d["match_bins"]), tuple(d["depth_bins"]),
+                   tuple((int(s), int(m), int(dd), tuple(map(float, x)), tuple(map(float, y))) for s, m, dd, x, y in d["curves"]))
+
+
+@dataclass(frozen=True)
 class DiscountParams:
     """Per-source discounts of the merge (paper, section 3.1.3).
 
@@ -59,25 +94,33 @@ class DiscountParams:
     datastore: SourceDiscount = SourceDiscount(scale=1.0, depth_decay=1.0, match_damping=0.85, full_match=6)
     input: SourceDiscount = SourceDiscount(scale=0.6, depth_decay=0.95, match_damping=0.7, full_match=4)
     external: SourceDiscount = SourceDiscount(scale=1.0, depth_decay=1.0, match_damping=1.0, full_match=0)
-    #: Optional explicit table [source][match_len][depth] (from calibration); overrides the above.
-    table: tuple | None = None
+    #: Calibration curves (from ``sssd calibrate``); when set they replace the discounts.
+    calibration: Calibration | None = None
 
     def score_table(self, max_match: int, max_depth: int) -> _core.ScoreTable:
-        """The dense discount table the C++ merge reads."""
-        if self.table is not None:
-            arr = np.asarray(self.table, dtype=np.float64)
-            if arr.ndim != 3 or arr.shape[0] != 3:
-                raise ValueError(f"discount table must have shape (3, M+1, D+1), got {arr.shape}")
-            return _core.ScoreTable(arr.shape[1] - 1, arr.shape[2] - 1, np.ascontiguousarray(arr.ravel()))
-        arr = np.zeros((3, max_match + 1, max_depth + 1), dtype=np.float64)
-        for s, disc in enumerate((self.datastore, self.input, self.external)):
+        """The dense (source, match length, depth) table the C++ merge reads."""
+        factors = np.zeros((3, max_match + 1, max_depth + 1), dtype=np.float64)
+        if self.calibration is None:
+            for s, disc in enumerate((self.datastore, self.input, self.external)):
+                for m in range(max_match + 1):
+                    for d in range(1, max_depth + 1):
+                        factors[s, m, d] = disc.factor(m, d)
+            return _core.ScoreTable(max_match, max_depth, factors.ravel())
+        cal = self.calibration
+        factors[:, :, 1:] = 1.0
+        index = {(s, m, d): i for i, (s, m, d, _, _) in enumerate(cal.curves)}
+        curve_of = np.full((3, max_match + 1, max_depth + 1), -1, dtype=np.int32)
+        for s in range(3):
             for m in range(max_match + 1):
                 for d in range(1, max_depth + 1):
-                    arr[s, m, d] = disc.factor(m, d)
-        return _core.ScoreTable(max_match, max_depth, arr.ravel())
+                    curve_of[s, m, d] = index.get((s, cal.bin_of(cal.match_bins, m), cal.bin_of(cal.depth_bins, d)), -1)
+        curves = [(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)) for _, _, _, x, y in cal.curves]
+        return _core.ScoreTable(max_match, max_depth, factors.ravel(), curve_of.ravel(), curves)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in ("datastore", "input", "external")}
+        out["calibration"] = self.calibration.to_dict() if self.calibration else None
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DiscountParams:
@@ -89,8 +132,8 @@ class DiscountParams:
         for name in ("datastore", "input", "external"):
             if name in d:
                 kw[name] = SourceDiscount(**d[name])
-        if d.get("table") is not None:
-            kw["table"] = tuple(map(tuple, (tuple(map(tuple, m)) for m in d["table"])))
+        if d.get("calibration") is not None:
+            kw["calibration"] = Calibration.from_dict(d["calibration"])
         return cls(**kw)
 
 
@@ -177,7 +220,9 @@ class DrafterConfig:
         return p
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["discounts"] = self.discounts.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:

@@ -191,6 +191,11 @@ class Datastore:
     def __len__(self) -> int:
         return self.size
 
+    def warm(self) -> int:
+        """Touches every page of the mapped files, so that the first queries
+        take no page faults (a server does this at start-up). Returns bytes."""
+        return int(self._native.warm())
+
     @property
     def num_docs(self) -> int:
         return int(self._native.num_docs)

@@ -51,9 +51,11 @@ class DraftTree:
         tokens: candidate token ids (int64).
         parents: parent node index, -1 for children of the root (int32).
         depths: 1 for children of the root (int32).
-        scores: priority at insertion: source probability x discount (float32).
-            Scores steer tree building only; they are not a proposal
-            distribution.
+        scores: priority at insertion: the source probability, discounted or
+            calibrated (float32). Scores steer tree building only; they are
+            not a proposal distribution.
+        probs: the inserting source's raw path probability (float32).
+        match_lens: context tokens that source matched (uint8; 0 external).
         sources: 0 datastore, 1 input (prompt + output), 2 external (uint8).
         draft_probs: q(token | parent path) for nodes from a model source,
             NaN otherwise (float32).
@@ -65,6 +67,8 @@ class DraftTree:
     scores: np.ndarray
     sources: np.ndarray
     draft_probs: np.ndarray
+    probs: np.ndarray | None = None
+    match_lens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -144,10 +148,12 @@ class DraftBatch:
     scores: np.ndarray  # [N] float32
     sources: np.ndarray  # [N] uint8
     draft_probs: np.ndarray  # [N] float32
+    probs: np.ndarray | None = None  # [N] float32 raw source probabilities
+    match_lens: np.ndarray | None = None  # [N] uint8
 
     @classmethod
     def from_native(cls, d: dict) -> DraftBatch:
-        return cls(**{k: d[k] for k in ("offsets", "tokens", "parents", "depths", "scores", "sources", "draft_probs")})
+        return cls(**d)
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
@@ -161,7 +167,9 @@ class DraftBatch:
             raise IndexError(f"request index {b} out of range for a batch of {len(self)}")
         b %= len(self)
         s = slice(int(self.offsets[b]), int(self.offsets[b + 1]))
-        return DraftTree(self.tokens[s], self.parents[s], self.depths[s], self.scores[s], self.sources[s], self.draft_probs[s])
+        return DraftTree(self.tokens[s], self.parents[s], self.depths[s], self.scores[s], self.sources[s], self.draft_probs[s],
+                         None if self.probs is None else self.probs[s],
+                         None if self.match_lens is None else self.match_lens[s])
 
     def __iter__(self) -> Iterator[DraftTree]:
         return (self[b] for b in range(len(self)))

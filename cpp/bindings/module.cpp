@@ -68,6 +68,8 @@ py::dict draft_batch_to_dict(sssd::DraftBatch&& batch) {
   d["parents"] = to_numpy(std::move(batch.nodes.parents));
   d["depths"] = to_numpy(std::move(batch.nodes.depths));
   d["scores"] = to_numpy(std::move(batch.nodes.scores));
+  d["probs"] = to_numpy(std::move(batch.nodes.probs));
+  d["match_lens"] = to_numpy(std::move(batch.nodes.match_lens));
   d["sources"] = to_numpy(std::move(batch.nodes.sources));
   d["draft_probs"] = to_numpy(std::move(batch.nodes.draft_probs));
   return d;
@@ -103,9 +105,23 @@ py::dict tree_to_dict(const sssd::SourceTree& t) {
   return d;
 }
 
-sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& factors) {
+sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& factors,
+                            py::object curve_of, py::object curves) {
   const auto f = borrow<double>(factors, "factors");
-  return sssd::ScoreTable(max_match, max_depth, std::vector<double>(f.begin(), f.end()));
+  std::vector<int32_t> cells;
+  std::vector<sssd::Curve> parsed;
+  if (!curve_of.is_none()) {
+    const auto c = borrow<int32_t>(curve_of.cast<py::array>(), "curve_of");
+    cells.assign(c.begin(), c.end());
+    for (py::handle item : curves.cast<py::list>()) {
+      auto xy = item.cast<py::tuple>();
+      const auto x = borrow<double>(xy[0].cast<py::array>(), "curve knots");
+      const auto y = borrow<double>(xy[1].cast<py::array>(), "curve values");
+      parsed.push_back({std::vector<double>(x.begin(), x.end()), std::vector<double>(y.begin(), y.end())});
+    }
+  }
+  return sssd::ScoreTable(max_match, max_depth, std::vector<double>(f.begin(), f.end()), std::move(cells),
+                          std::move(parsed));
 }
 
 }  // namespace
@@ -214,6 +230,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return view(ds.tokens().data(), ds.size(), self);
       }, "Read-only view of the token stream (no copy).")
       .def("suffix", &sssd::Datastore::suffix, "rank"_a)
+      .def("warm", [](const sssd::Datastore& ds) {
+        py::gil_scoped_release release;
+        return ds.warm();
+      }, "Touches every mapped page (no page faults in later queries); returns the bytes touched.")
       .def("find", [](const sssd::Datastore& ds, const py::array& pattern) {
         const Tokens p(pattern, "pattern");
         py::gil_scoped_release release;
@@ -253,11 +273,18 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def("check_integrity", &sssd::RequestTrie::check_integrity);
 
   py::class_<sssd::ScoreTable>(m, "ScoreTable")
-      .def(py::init(&make_table), "max_match"_a, "max_depth"_a, "factors"_a)
+      .def(py::init(&make_table), "max_match"_a, "max_depth"_a, "factors"_a, "curve_of"_a = py::none(),
+           "curves"_a = py::none(),
+           "factors/curve_of: [source][match_len][depth] flattened; curves: list of (knots, values) arrays")
       .def("__call__", [](const sssd::ScoreTable& t, int source, int match_len, int depth) {
         SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
         return t(sssd::Source(source), match_len, depth);
       }, "source"_a, "match_len"_a, "depth"_a)
+      .def("priority", [](const sssd::ScoreTable& t, int source, int match_len, int depth, double p) {
+        SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+        return t.priority(sssd::Source(source), match_len, depth, p);
+      }, "source"_a, "match_len"_a, "depth"_a, "prob"_a)
+      .def_property_readonly("calibrated", &sssd::ScoreTable::calibrated)
       .def_property_readonly("max_match", &sssd::ScoreTable::max_match)
       .def_property_readonly("max_depth", &sssd::ScoreTable::max_depth);
 

@@ -246,10 +246,12 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     tries[b] = it->second.get();
   }
   out.resize(n);
-  // Work is handed out by groups of interleaved requests; a batch of one
-  // group stays on the calling thread (starting a team costs more).
+  // Work is handed out by groups of interleaved requests. Waking another
+  // thread costs tens of microseconds to milliseconds on small VMs, so a
+  // thread only joins for at least kGroupsPerThread groups of work.
+  constexpr size_t kGroupsPerThread = 4;
   const size_t groups = (n + kInterleave - 1) / kInterleave;
-  const int threads = std::min<int>(threads_, int(groups));
+  const int threads = std::max(1, std::min<int>(threads_, int(groups / kGroupsPerThread)));
   ExceptionCapture capture;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {

@@ -8,10 +8,9 @@
 
 namespace sssd {
 
-void TreeMerger::push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth,
-                      double discount) {
+void TreeMerger::push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth) {
   const Sibling& s = siblings_[sibling];
-  heap_.push_back({s.prob * discount, sibling, end, tree, parent, depth, s.token});
+  heap_.push_back({s.priority, sibling, end, tree, parent, depth, s.token});
   std::push_heap(heap_.begin(), heap_.end(), Worse{});
 }
 
@@ -21,18 +20,17 @@ void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node,
   const uint32_t begin = uint32_t(siblings_.size());
   for (uint32_t c = t.nodes[node].first_child; c != kNoNode; c = t.nodes[c].next_sibling) {
     const double weight = t.nodes[c].weight;
-    if (weight > 0) siblings_.push_back({weight / t.total, c, t.nodes[c].token});
+    if (!(weight > 0)) continue;
+    const double prob = weight / t.total;
+    siblings_.push_back({table.priority(t.source, t.match_len, depth, prob), prob, c, t.nodes[c].token});
   }
   const uint32_t end = uint32_t(siblings_.size());
   if (begin == end) return;
-  // Best first; equal probabilities by token, as the queue would order them.
+  // Best first; equal priorities by token, as the queue would order them.
   std::sort(siblings_.begin() + begin, siblings_.end(), [](const Sibling& a, const Sibling& b) {
-    return a.prob != b.prob ? a.prob > b.prob : a.token < b.token;
+    return a.priority != b.priority ? a.priority > b.priority : a.token < b.token;
   });
-  const double discount = table(t.source, t.match_len, depth);
-  discounts_.resize(end);
-  for (uint32_t i = begin; i < end; ++i) discounts_[i] = discount;
-  push(begin, end, tree_index, draft_parent, depth, discount);
+  push(begin, end, tree_index, draft_parent, depth);
 }
 
 void TreeMerger::merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget,
@@ -52,7 +50,7 @@ void TreeMerger::merge(std::span<const SourceTree> trees, const ScoreTable& tabl
     const Candidate c = heap_.back();
     heap_.pop_back();
     // Its next sibling (same parent, same discount) becomes a candidate.
-    if (c.sibling + 1 < c.end) push(c.sibling + 1, c.end, c.tree, c.parent, c.depth, discounts_[c.sibling]);
+    if (c.sibling + 1 < c.end) push(c.sibling + 1, c.end, c.tree, c.parent, c.depth);
     const SourceTree& t = trees[c.tree];
     const uint32_t source_node = siblings_[c.sibling].node;
 
@@ -67,6 +65,8 @@ void TreeMerger::merge(std::span<const SourceTree> trees, const ScoreTable& tabl
       out.parents.push_back(c.parent);
       out.depths.push_back(c.depth);
       out.scores.push_back(float(c.priority));
+      out.probs.push_back(float(siblings_[c.sibling].prob));
+      out.match_lens.push_back(uint8_t(std::min(t.match_len, 255)));
       out.sources.push_back(uint8_t(t.source));
       out.draft_probs.push_back(q);
       first_child_.push_back(-1);
@@ -90,6 +90,8 @@ DraftBatch concat(const std::vector<DraftTree>& trees) {
   n.parents.reserve(total);
   n.depths.reserve(total);
   n.scores.reserve(total);
+  n.probs.reserve(total);
+  n.match_lens.reserve(total);
   n.sources.reserve(total);
   n.draft_probs.reserve(total);
   for (const auto& t : trees) {
@@ -97,6 +99,8 @@ DraftBatch concat(const std::vector<DraftTree>& trees) {
     n.parents.insert(n.parents.end(), t.parents.begin(), t.parents.end());
     n.depths.insert(n.depths.end(), t.depths.begin(), t.depths.end());
     n.scores.insert(n.scores.end(), t.scores.begin(), t.scores.end());
+    n.probs.insert(n.probs.end(), t.probs.begin(), t.probs.end());
+    n.match_lens.insert(n.match_lens.end(), t.match_lens.begin(), t.match_lens.end());
     n.sources.insert(n.sources.end(), t.sources.begin(), t.sources.end());
     n.draft_probs.insert(n.draft_probs.end(), t.draft_probs.begin(), t.draft_probs.end());
     batch.offsets.push_back(int64_t(n.tokens.size()));

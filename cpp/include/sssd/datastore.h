@@ -79,6 +79,11 @@ class Datastore {
   bool mapped() const { return tokens_bytes_.mapped(); }
   std::span<const token_t> tokens() const { return {text_, n_}; }
 
+  /// Touches every page of the mapped files so that later queries take no
+  /// page faults (the first queries after open otherwise map pages one
+  /// fault at a time). Returns the bytes touched.
+  size_t warm() const;
+
   /// Start position of the suffix of rank `r` (< size()). Throws sssd::Error
   /// if the stored entry is out of range (a corrupt suffix array).
   size_t suffix(size_t r) const;

@@ -18,7 +18,9 @@ struct DraftTree {
   std::vector<token_t> tokens;      ///< [n] candidate token ids
   std::vector<int32_t> parents;     ///< [n] parent node, -1 for children of the root
   std::vector<int32_t> depths;      ///< [n] 1 for children of the root
-  std::vector<float> scores;        ///< [n] probability x discount at insertion
+  std::vector<float> scores;        ///< [n] priority at insertion (discounted / calibrated probability)
+  std::vector<float> probs;         ///< [n] the inserting source's raw path probability
+  std::vector<uint8_t> match_lens;  ///< [n] context tokens that source matched (0: external)
   std::vector<uint8_t> sources;     ///< [n] Source that inserted the node
   std::vector<float> draft_probs;   ///< [n] q(token | parent) from a model source, NaN if none
 
@@ -28,6 +30,8 @@ struct DraftTree {
     parents.clear();
     depths.clear();
     scores.clear();
+    probs.clear();
+    match_lens.clear();
     sources.clear();
     draft_probs.clear();
   }

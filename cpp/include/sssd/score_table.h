@@ -1,16 +1,22 @@
-// ScoreTable: the per-source discounts of the merge (paper, section 3.1.3).
+// ScoreTable: how the merge turns a source's probability into a priority
+// (paper, section 3.1.3).
 //
-// A candidate's priority is its source probability times
-// discount(source, match_len, depth). Sources differ in how well their
-// probabilities predict acceptance (the input source is overconfident: a
-// prefix seen twice in a prompt has few continuations), and within a source
-// the reliability depends on how long the matched context was and how deep
-// the candidate sits. The table is dense over (source, match length, depth);
-// lengths and depths beyond its bounds use its last row / column. Its values
-// come from sssd.DiscountParams (parametric defaults) or from the
-// calibration tool.
+// Sources differ in how well their probabilities predict acceptance (the
+// input source is overconfident: a prefix seen twice in a prompt has few
+// continuations), and within a source the reliability depends on how long
+// the matched context was and how deep the candidate sits. So the priority
+// of a candidate with source probability p is
+//
+//     factor(source, match_len, depth) * curve(source, match_len, depth)(p)
+//
+// where the factor is a discount (sssd.DiscountParams) and the optional
+// curve is a monotone piecewise-linear calibration map fitted by `sssd
+// calibrate` (predicted -> observed acceptance); without a curve, p itself.
+// Cells are dense over (source, match length, depth); lengths and depths
+// beyond the table's bounds use its last row / column.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "sssd/check.h"
@@ -18,38 +24,78 @@
 
 namespace sssd {
 
+/// A monotone non-decreasing piecewise-linear map (constant outside its knots).
+struct Curve {
+  std::vector<double> x;  ///< knots, strictly increasing
+  std::vector<double> y;  ///< values, non-decreasing, same length as x (>= 1 knot)
+
+  double operator()(double p) const {
+    if (p <= x.front()) return y.front();
+    if (p >= x.back()) return y.back();
+    const size_t i = size_t(std::upper_bound(x.begin(), x.end(), p) - x.begin());  // x[i-1] <= p < x[i]
+    const double t = (p - x[i - 1]) / (x[i] - x[i - 1]);
+    return y[i - 1] + t * (y[i] - y[i - 1]);
+  }
+};
+
 class ScoreTable {
  public:
-  /// All discounts 1 (raw probabilities).
+  /// All discounts 1, no curves (raw probabilities).
   ScoreTable() : ScoreTable(1, 1, std::vector<double>(size_t(kNumSources) * 2 * 2, 1.0)) {}
 
   /// factors has kNumSources * (max_match + 1) * (max_depth + 1) entries,
-  /// laid out [source][match_len][depth]; all finite and >= 0.
-  ScoreTable(int max_match, int max_depth, std::vector<double> factors)
-      : max_match_(max_match), max_depth_(max_depth), factors_(std::move(factors)) {
+  /// laid out [source][match_len][depth]; all finite and >= 0. `curve_of`
+  /// (same layout, or empty) names each cell's curve in `curves` (-1: none).
+  ScoreTable(int max_match, int max_depth, std::vector<double> factors,
+             std::vector<int32_t> curve_of = {}, std::vector<Curve> curves = {})
+      : max_match_(max_match), max_depth_(max_depth), factors_(std::move(factors)),
+        curve_of_(std::move(curve_of)), curves_(std::move(curves)) {
     SSSD_CHECK_ARG(max_match >= 0 && max_depth >= 1, "score table needs max_match >= 0 and max_depth >= 1");
-    SSSD_CHECK_ARG(factors_.size() == size_t(kNumSources) * size_t(max_match + 1) * size_t(max_depth + 1),
-                   "score table has ", factors_.size(), " factors, expected ",
-                   size_t(kNumSources) * size_t(max_match + 1) * size_t(max_depth + 1));
+    const size_t cells = size_t(kNumSources) * size_t(max_match + 1) * size_t(max_depth + 1);
+    SSSD_CHECK_ARG(factors_.size() == cells, "score table has ", factors_.size(), " factors, expected ", cells);
     for (double f : factors_) {
       SSSD_CHECK_ARG(f >= 0 && f <= 1e30, "discount factors must be finite and >= 0, got ", f);
     }
+    SSSD_CHECK_ARG(curve_of_.empty() || curve_of_.size() == cells, "curve_of has ", curve_of_.size(),
+                   " cells, expected ", cells);
+    for (int32_t c : curve_of_) {
+      SSSD_CHECK_ARG(c >= -1 && c < int32_t(curves_.size()), "curve index ", c, " out of range");
+    }
+    for (const Curve& c : curves_) {
+      SSSD_CHECK_ARG(!c.x.empty() && c.x.size() == c.y.size(), "a curve needs as many values as knots (>= 1)");
+      for (size_t i = 0; i < c.x.size(); ++i) {
+        SSSD_CHECK_ARG(c.y[i] >= 0 && c.y[i] <= 1e30 && (i == 0 || (c.x[i] > c.x[i - 1] && c.y[i] >= c.y[i - 1])),
+                       "curves must have increasing knots and non-decreasing, finite, >= 0 values");
+      }
+    }
   }
 
-  double operator()(Source source, int match_len, int depth) const {
-    const size_t m = size_t(match_len < max_match_ ? match_len : max_match_);
-    const size_t d = size_t(depth < max_depth_ ? depth : max_depth_);
-    return factors_[(size_t(source) * size_t(max_match_ + 1) + m) * size_t(max_depth_ + 1) + d];
+  /// Priority of a candidate with source probability p.
+  double priority(Source source, int match_len, int depth, double p) const {
+    const size_t cell = this->cell(source, match_len, depth);
+    if (!curve_of_.empty() && curve_of_[cell] >= 0) p = curves_[size_t(curve_of_[cell])](p);
+    return factors_[cell] * p;
   }
+
+  /// The discount factor alone (kept for tests and reports).
+  double operator()(Source source, int match_len, int depth) const { return factors_[cell(source, match_len, depth)]; }
 
   int max_match() const { return max_match_; }
   int max_depth() const { return max_depth_; }
-  const std::vector<double>& factors() const { return factors_; }
+  bool calibrated() const { return !curves_.empty(); }
 
  private:
+  size_t cell(Source source, int match_len, int depth) const {
+    const size_t m = size_t(std::clamp(match_len, 0, max_match_));
+    const size_t d = size_t(std::clamp(depth, 1, max_depth_));
+    return (size_t(source) * size_t(max_match_ + 1) + m) * size_t(max_depth_ + 1) + d;
+  }
+
   int max_match_;
   int max_depth_;
   std::vector<double> factors_;
+  std::vector<int32_t> curve_of_;
+  std::vector<Curve> curves_;
 };
 
 }  // namespace sssd

@@ -1,15 +1,14 @@
 // TreeMerger: Algorithm 1 of the paper. One priority queue over the nodes of
-// every source tree; priority = source probability x discount(source, match
-// length, depth). The best candidate is inserted under its draft parent (or
+// every source tree; priority = the ScoreTable's discount (and calibration
+// curve) applied to the source probability. The best candidate is inserted under its draft parent (or
 // merged with an identical sibling, which costs no budget), then its children
 // in its source tree become candidates. Stops when the draft holds `budget`
 // nodes. Ties are broken by (depth, source tree, token, parent), so the
 // result is deterministic.
 //
-// Siblings share their discount, so their order by priority is their order
-// by weight: an expanded node's children are sorted once and enter the queue
-// one at a time (the next when the previous is popped). The pop order is the
-// same as pushing them all, but the queue stays small.
+// An expanded node's children are sorted by priority once and enter the
+// queue one at a time (the next when the previous is popped). The pop order
+// is the same as pushing them all, but the queue stays small.
 //
 // A TreeMerger holds scratch buffers only; use one per thread.
 #pragma once
@@ -31,6 +30,7 @@ class TreeMerger {
  private:
   // A source node waiting in a sorted sibling list.
   struct Sibling {
+    double priority;
     double prob;   // weight / total
     uint32_t node;
     token_t token;
@@ -55,11 +55,10 @@ class TreeMerger {
   };
   void expand(const SourceTree& t, uint32_t tree_index, uint32_t node, int32_t draft_parent,
               int32_t depth, const ScoreTable& table);
-  void push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth, double discount);
+  void push(uint32_t sibling, uint32_t end, uint32_t tree, int32_t parent, int32_t depth);
 
   std::vector<Candidate> heap_;
   std::vector<Sibling> siblings_;   // sorted sibling lists, appended per expansion
-  std::vector<double> discounts_;   // per candidate list: discount of its siblings
   std::vector<int32_t> first_child_, next_sibling_;  // draft tree child lists
   int32_t root_first_child_ = -1;
 };
