@@ -221,6 +221,11 @@ class Datastore:
         """Read-only uint32 view of the token stream (no copy)."""
         return self._native.tokens()
 
+    @property
+    def suffix_array(self) -> np.ndarray:
+        """Read-only view of the suffix array (uint32 or uint64; no copy, no range checks)."""
+        return self._native.suffix_array()
+
     def find(self, pattern: Any) -> tuple[int, int]:
         """[lo, hi) suffix-array ranks of the occurrences of ``pattern``."""
         lo, hi = self._native.find(as_tokens(pattern, "pattern"))

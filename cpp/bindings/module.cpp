@@ -230,6 +230,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return view(ds.tokens().data(), ds.size(), self);
       }, "Read-only view of the token stream (no copy).")
       .def("suffix", &sssd::Datastore::suffix, "rank"_a)
+      .def("suffix_array", [](py::object self) -> py::array {
+        const auto& ds = self.cast<const sssd::Datastore&>();
+        const auto* raw = ds.suffix_array_data();
+        if (ds.index_bytes() == 4) return view(reinterpret_cast<const uint32_t*>(raw), ds.size(), self);
+        return view(reinterpret_cast<const uint64_t*>(raw), ds.size(), self);
+      }, "Read-only view of the suffix array (uint32 or uint64, no copy). Entries are not range-checked.")
       .def("warm", [](const sssd::Datastore& ds) {
         py::gil_scoped_release release;
         return ds.warm();

@@ -78,6 +78,8 @@ class Datastore {
   int index_bytes() const { return index_bytes_; }
   bool mapped() const { return tokens_bytes_.mapped(); }
   std::span<const token_t> tokens() const { return {text_, n_}; }
+  /// The raw suffix array (index_bytes() wide entries, aligned), for tools.
+  const uint8_t* suffix_array_data() const { return sa_; }
 
   /// Touches every page of the mapped files so that later queries take no
   /// page faults (the first queries after open otherwise map pages one
