@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from sssd import _core
 from sssd._core import SSSDError, UnknownRequestError
 from sssd.config import (
+    Calibration,
     SOURCE_DATASTORE,
     SOURCE_EXTERNAL,
     SOURCE_INPUT,
@@ -41,6 +42,7 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "Calibration",
     "DEFAULT",
     "SEPARATOR",
     "SOURCE_DATASTORE",

@@ -17,6 +17,10 @@ import numpy as np
 
 from sssd import _core
 
+#: The parameter files written by ``sssd calibrate``.
+CALIBRATION_FORMAT = "sssd-calibration"
+CALIBRATION_VERSION = 1
+
 #: Source tags of draft nodes (DraftTree.sources).
 SOURCE_DATASTORE = 0
 SOURCE_INPUT = 1
@@ -239,5 +243,47 @@ class DrafterConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> DrafterConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: str | Path, budget: int | None = None) -> DrafterConfig:
+        """Reads a config file: a saved DrafterConfig, or a parameter file
+        written by ``sssd calibrate`` (then ``budget`` picks the parameters
+        calibrated for the largest budget not above it; default: the file's
+        default budget).
+
+        Raises:
+            ValueError: unreadable or malformed file, or a calibration file
+                from a newer format version.
+        """
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read a drafter config ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: a drafter config is a JSON object")
+        if d.get("format") == CALIBRATION_FORMAT:
+            return cls.from_calibration(d, budget, where=str(path))
+        cfg = cls.from_dict(d)
+        return cfg if budget is None else cfg.replace(budget=budget)
+
+    @classmethod
+    def from_calibration(cls, d: dict[str, Any], budget: int | None = None, where: str = "calibration") -> DrafterConfig:
+        """The configuration a calibration parameter file gives for ``budget``."""
+        version = d.get("version")
+        if not isinstance(version, int) or version > CALIBRATION_VERSION:
+            raise ValueError(f"{where}: calibration format version {version!r} is not supported "
+                             f"(this sssd reads up to {CALIBRATION_VERSION})")
+        try:
+            budgets = {int(k): v for k, v in d["budgets"].items()}
+        except (KeyError, AttributeError, ValueError) as e:
+            raise ValueError(f"{where}: malformed calibration file (budgets)") from e
+        if not budgets:
+            raise ValueError(f"{where}: calibration file holds no budgets")
+        if budget is None:
+            budget = int(d.get("default_budget") or max(budgets))
+        key = max((b for b in budgets if b <= budget), default=min(budgets))
+        entry = budgets[key]
+        cfg = cls.from_dict(entry["config"]).replace(budget=budget)
+        if entry.get("calibrated"):
+            if not d.get("calibration"):
+                raise ValueError(f"{where}: budget {key} is marked calibrated but the file holds no curves")
+            cfg = cfg.replace(discounts=dataclasses.replace(cfg.discounts, calibration=Calibration.from_dict(d["calibration"])))
+        return cfg
