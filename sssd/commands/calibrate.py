@@ -1,0 +1,84 @@
+"""``sssd calibrate``: fit the drafter's parameters and calibration curves by replay."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sssd.cli import command
+
+
+@command("calibrate", help="Grid-search the drafter's parameters and fit calibration curves by replaying "
+                           "ground-truth outputs (paper 3.1.3); writes one parameter file + plots.")
+def setup(p: argparse.ArgumentParser):
+    from sssd.calibration.grid import GridAxes
+
+    axes = GridAxes()
+    p.add_argument("groundtruth", nargs="+", help="ground-truth JSONL files (from `sssd groundtruth`)")
+    p.add_argument("--datastore", default="default", help="datastore directory ('default': the default datastore)")
+    p.add_argument("-o", "--output", default="calibration.json",
+                   help="parameter file to write (plots are written beside it)")
+    p.add_argument("--split", choices=("dev", "all"), default="dev",
+                   help="which part of each file to use: 'dev' keeps evaluation data out of calibration")
+    p.add_argument("--limit", type=int, default=0, help="at most this many examples per file (0: all)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="draft budgets to calibrate for")
+    p.add_argument("--default-budget", type=int, default=0, help="budget the file uses when none is asked (0: 32 if listed)")
+    p.add_argument("--workers", type=int, default=0, help="replay processes (0: one per core)")
+    for f in ("max_samples", "min_occurrences", "datastore_branch_len", "input_scale", "input_match_damping",
+              "input_depth_decay", "datastore_match_damping"):
+        kind = int if isinstance(getattr(axes, f)[0], int) else float
+        p.add_argument("--" + f.replace("_", "-"), type=kind, nargs="+", default=list(getattr(axes, f)),
+                       metavar="V", help=f"grid values for {f}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    def run(args: argparse.Namespace) -> int:
+        from tqdm import tqdm
+
+        from sssd.calibration.ground_truth import load_groundtruth
+        from sssd.calibration.run import calibrate, save
+        from sssd.drafter import resolve_datastore
+        from sssd.tokenizer import load_tokenizer
+
+        datastore = resolve_datastore(args.datastore)
+        tok_path = datastore.tokenizer_path()
+        tokenizer = load_tokenizer(tok_path) if tok_path else None
+        examples, sources = [], []
+        for path in args.groundtruth:
+            header, items = load_groundtruth(path, tokenizer=tokenizer)
+            if args.split == "dev":
+                from sssd.calibration.datasets import split
+
+                items = split(items, "dev")
+            if args.limit:
+                items = items[: args.limit]
+            examples += items
+            sources.append({"path": str(Path(path).resolve()), "dataset": header.get("dataset"), "model": header.get("model"),
+                            "examples": len(items), "split": args.split})
+        if not examples:
+            raise ValueError("no examples after the split: give more ground truth (or --split all)")
+        axes = GridAxes(**{f: tuple(getattr(args, f)) for f in GridAxes.__dataclass_fields__})
+        n_trials = axes.size() * len(set(args.budgets))
+        print(f"calibrating on {len(examples)} examples ({sum(len(e.output) for e in examples):,} output tokens) "
+              f"from {len(sources)} files: {n_trials} replays in the grid, then calibration", file=sys.stderr)
+        bars: dict[str, tqdm] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            bar = bars.get(stage) or bars.setdefault(stage, tqdm(total=total, desc=stage, unit="replay", file=sys.stderr))
+            bar.update(done - bar.n)
+            if done == total:
+                bar.close()
+
+        result = calibrate(examples, datastore, args.budgets, axes, args.default_budget or None, args.workers, progress)
+        provenance = {"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
+                                    "tokenizer": datastore.manifest.get("tokenizer")},
+                      "groundtruth": sources}
+        written = save(result, Path(args.output), provenance)
+        print(f"{'budget':>6} {'default':>8} {'grid best':>9} {'+ curves':>9}  chosen")
+        for b in result.budgets:
+            best, cal = result.best[b].mat, result.calibrated[b].mat
+            print(f"{b:>6} {result.baseline[b].mat:8.3f} {best:9.3f} {cal:9.3f}  {'calibrated' if cal > best else 'uncalibrated'}")
+        print("wrote " + ", ".join(str(p) for p in written) + f" ({result.seconds:.0f} s)")
+        return 0
+
+    return run

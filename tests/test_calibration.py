@@ -1,0 +1,176 @@
+"""Calibration: isotonic fitting, curves in the merge, the parameter file, the grid."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sssd
+from sssd import _core
+from sssd.calibration.fit import MATCH_BINS, apply_calibration, fit_calibration, reliability
+from sssd.calibration.grid import GridAxes, Trial, evaluate
+from sssd.calibration.isotonic import isotonic_fit
+from sssd.calibration.replay import Example
+
+from conftest import random_corpus
+
+
+def brute_isotonic(y, w):
+    """Exact isotonic regression by the min-max formula (O(n^3)), at each point."""
+    n = len(y)
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = max(min(np.dot(w[j : k + 1], y[j : k + 1]) / w[j : k + 1].sum() for k in range(i, n)) for j in range(i + 1))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(ys=st.lists(st.floats(0, 1), min_size=1, max_size=12), ws=st.lists(st.floats(0.1, 5), min_size=12, max_size=12))
+def test_isotonic_matches_brute_force(ys, ws):
+    x = np.arange(len(ys), dtype=float)
+    y, w = np.array(ys), np.array(ws[: len(ys)])
+    knots, values = isotonic_fit(x, y, w, max_knots=1000)
+    assert np.all(np.diff(knots) > 0) and np.all(np.diff(values) >= -1e-12)
+    want = brute_isotonic(y, w)
+    # Each fitted block is one knot at its mean x: every point of a block gets the block value.
+    got = np.array([values[np.argmin(np.abs(knots - xi))] if len(knots) == len(x) else np.nan for xi in x])
+    if len(knots) == len(x):
+        np.testing.assert_allclose(got, want, atol=1e-9)
+    # The weighted mean is preserved whatever the pooling.
+    assert np.isclose(np.dot(w, want), np.dot(w, y))
+
+
+def test_isotonic_knot_budget_keeps_monotonicity():
+    rng = np.random.default_rng(0)
+    x = rng.random(5000)
+    y = (rng.random(5000) < x**2).astype(float)
+    knots, values = isotonic_fit(x, y, max_knots=10)
+    assert len(knots) <= 10 and np.all(np.diff(values) >= 0) and np.all(np.diff(knots) > 0)
+    assert abs(np.interp(0.8, knots, values) - 0.64) < 0.1
+
+
+def synthetic_nodes(rng, n=20_000):
+    """Observations where the input source is overconfident: accepted with prob/2."""
+    src = rng.integers(0, 2, n)
+    prob = rng.random(n)
+    true = np.where(src == 1, prob / 2, prob)
+    return {"source": src.astype(np.uint8), "depth": rng.integers(1, 5, n).astype(np.int32),
+            "match_len": rng.integers(1, 5, n).astype(np.uint8), "prob": prob.astype(np.float32),
+            "accepted": rng.random(n) < true}
+
+
+def test_fit_learns_each_sources_reliability():
+    rng = np.random.default_rng(1)
+    nodes = synthetic_nodes(rng)
+    cal = fit_calibration(nodes, min_cell=2000)
+    calibrated = apply_calibration(cal, nodes)
+    for s, factor in ((0, 1.0), (1, 0.5)):
+        sel = (nodes["source"] == s) & (np.abs(nodes["prob"] - 0.8) < 0.05)
+        assert abs(calibrated[sel].mean() - 0.8 * factor) < 0.06
+    # Every curve is monotone, so calibration preserves each source's ranking.
+    for _, _, _, x, y in cal.curves:
+        assert np.all(np.diff(y) >= 0)
+    after = {r.source: r for r in reliability({**nodes, "prob": calibrated.astype(np.float32)})}
+    before = {r.source: r for r in reliability(nodes)}
+    gap = lambda r: np.average(np.abs(r.predicted - r.observed), weights=r.count)  # noqa: E731
+    assert gap(after["input"]) < 0.05 < gap(before["input"])
+
+
+def test_fit_refuses_no_data():
+    with pytest.raises(ValueError, match="no drafted nodes"):
+        fit_calibration({"prob": np.zeros(0)})
+
+
+def test_curves_change_the_merge_as_the_calibration_says():
+    """A curve that halves the input source's probabilities halves its scores."""
+    ctx = [10, 11, 12, 13, 1, 2, 10, 11, 12]
+    plain = sssd.Drafter(None, budget=4).draft_prefix(ctx)
+    half = sssd.Calibration(MATCH_BINS, (1,), tuple((1, m, 0, (0.0, 1.0), (0.0, 0.5)) for m in range(len(MATCH_BINS))))
+    cfg = sssd.DrafterConfig(budget=4, discounts=sssd.DiscountParams(calibration=half))
+    cal = sssd.Drafter(None, cfg).draft_prefix(ctx)
+    assert cal.tokens.tolist() == plain.tokens.tolist()
+    np.testing.assert_allclose(cal.scores, plain.probs * 0.5, rtol=1e-6)
+
+
+def test_score_table_curves_are_validated():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _core.ScoreTable(0, 1, np.ones(6), np.zeros(6, np.int32), [(np.array([0.0, 1.0]), np.array([0.5, 0.1]))])
+    with pytest.raises(ValueError, match="out of range"):
+        _core.ScoreTable(0, 1, np.ones(6), np.full(6, 3, np.int32), [(np.array([0.0]), np.array([0.5]))])
+
+
+def parameter_file(tmp_path, calibrated=True):
+    cal = sssd.Calibration((0,), (1,), ((1, 0, 0, (0.0, 1.0), (0.0, 0.25)),))
+    d = {
+        "format": "sssd-calibration", "version": 1, "default_budget": 16,
+        "budgets": {
+            "8": {"config": sssd.DrafterConfig(max_samples=40).to_dict(), "calibrated": False},
+            "16": {"config": sssd.DrafterConfig(max_samples=60, min_occurrences=7).to_dict(), "calibrated": calibrated},
+        },
+        "calibration": cal.to_dict(),
+    }
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def test_parameter_file_round_trip_and_budget_choice(tmp_path):
+    p = parameter_file(tmp_path)
+    c16 = sssd.DrafterConfig.load(p)  # default budget 16
+    assert (c16.budget, c16.max_samples, c16.min_occurrences) == (16, 60, 7)
+    assert c16.discounts.calibration is not None
+    c8 = sssd.DrafterConfig.load(p, budget=12)  # largest calibrated budget <= 12
+    assert (c8.budget, c8.max_samples) == (12, 40) and c8.discounts.calibration is None
+    assert sssd.DrafterConfig.load(p, budget=4).max_samples == 40  # below all: the smallest
+    assert sssd.DrafterConfig.load(p, budget=64).max_samples == 60
+    # the loaded curves reach the drafter
+    ctx = [10, 11, 12, 13, 1, 2, 10, 11, 12]
+    tree = sssd.Drafter(None, c16).draft_prefix(ctx)
+    np.testing.assert_allclose(tree.scores, tree.probs * 0.25, rtol=1e-6)
+    # and a plain saved config still loads
+    c16.save(tmp_path / "plain.json")
+    assert sssd.DrafterConfig.load(tmp_path / "plain.json") == c16
+
+
+def test_bad_parameter_files(tmp_path):
+    p = parameter_file(tmp_path)
+    d = json.loads(p.read_text())
+    d["version"] = 99
+    p.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="version"):
+        sssd.DrafterConfig.load(p)
+    p.write_text("{oops")
+    with pytest.raises(ValueError, match="cannot read"):
+        sssd.DrafterConfig.load(p)
+    d["version"], d["budgets"] = 1, {}
+    p.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="no budgets"):
+        sssd.DrafterConfig.load(p)
+
+
+def test_empty_grid_axis_is_an_error():
+    with pytest.raises(ValueError, match="empty"):
+        GridAxes(max_samples=())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    tokens = random_corpus(rng, 150, vocab=15, repeat=0.5)
+    path = tmp_path_factory.mktemp("cal") / "ds"
+    sssd.Datastore.build(tokens, path)
+    docs = [d for d in np.split(tokens, np.flatnonzero(tokens == sssd.SEPARATOR) + 1) if len(d) > 10]
+    return path, [Example(d[:5].astype(np.int64), d[5:-1].astype(np.int64)) for d in docs[:20]]
+
+
+def test_grid_evaluation_is_the_same_in_worker_processes(tiny):
+    path, examples = tiny
+    configs = [sssd.DrafterConfig(max_samples=m) for m in (4, 50)]
+    one = evaluate([Trial(c, 8) for c in configs], examples, path, workers=1)
+    two = evaluate([Trial(c, 8) for c in configs], examples, path, workers=2)
+    assert [t.mat for t in one] == [t.mat for t in two]
+    assert all(t.mat >= 1.0 for t in one)
+    with pytest.raises(ValueError, match="no examples"):
+        evaluate([Trial(configs[0], 8)], [], path, workers=1)
