@@ -28,7 +28,7 @@ class GridAxes:
 
     max_samples: tuple[int, ...] = (32, 100)
     min_occurrences: tuple[int, ...] = (5, 20, 50)
-    datastore_branch_len: tuple[int, ...] = (8, 16)
+    datastore_branch_len: tuple[int, ...] = (8, 16, 32)
     input_scale: tuple[float, ...] = (0.3, 0.6, 1.0)
     input_match_damping: tuple[float, ...] = (0.5, 0.8)
     input_depth_decay: tuple[float, ...] = (0.9, 1.0)
