@@ -84,71 +84,43 @@ class SSSDRunner:
 
 
 class SuffixDecodingRunner:
-    """arctic-inference's SuffixDecodingCache, its global tree warmed with the datastore's documents.
+    """This script's runner protocol over the SuffixDecoding peer adapter
+    (benchmarks/peers/suffix_decoding.py: its global tree warmed with the
+    datastore's documents, a finished request's response evicted so that
+    replays never draft from an earlier copy of the answer they replay)."""
 
-    A finished request's response is evicted from the global tree, so that the
-    replay (which reuses held-out pairs) never drafts from an earlier copy of
-    the answer it is replaying; within a request, its own output is used, as
-    SSSD's input trie uses it.
-    """
-
-    def __init__(self, datastore_tokens: np.ndarray, spec_factor: float, min_prob: float, name: str):
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-        self.name = name
-        self.cache = SuffixDecodingCache(max_tree_depth=64)
-        self.spec_factor, self.min_prob = spec_factor, min_prob
-        ends = np.flatnonzero(datastore_tokens == sssd.SEPARATOR)
-        starts = np.concatenate([[0], ends[:-1] + 1])
-        empty = np.zeros(0, dtype=np.int32)
-        t0 = now()
-        for i, (s, e) in enumerate(zip(starts, ends)):
-            key = ("corpus", i)
-            self.cache.start_request(key, empty)
-            self.cache.add_active_response(key, datastore_tokens[s:e].astype(np.int32))
-            self.cache.stop_request(key)
-        self.warm_seconds = now() - t0
+    def __init__(self, drafter, name: str):
+        self.drafter, self.name = drafter, name
+        self.warm_seconds = drafter.warm.warm_seconds
         self.next_id = 0
-        self.contexts: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def warmed(cls, datastore_tokens: np.ndarray, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
+        from peers.suffix_decoding import SuffixDecodingDrafter, WarmCache
+
+        warm = WarmCache(datastore_tokens, max_tree_depth=64)
+        return cls(SuffixDecodingDrafter(warm, max_spec_factor=spec_factor, min_token_prob=min_prob), name)
 
     def open(self, prompt):
         rid = self.next_id
         self.next_id += 1
-        self.cache.start_request(rid, np.asarray(prompt, dtype=np.int32))
-        self.contexts[rid] = np.asarray(prompt, dtype=np.int32)
+        self.drafter.open(rid, prompt)
         return rid
 
     def close(self, rid):
-        self.cache.stop_request(rid)
-        self.cache.evict_cached_response(rid)
-        self.contexts.pop(rid)
+        self.drafter.close(rid)
 
     def settings(self, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
         """The same warmed cache under other speculation settings (warming takes minutes)."""
-        other = object.__new__(SuffixDecodingRunner)
-        other.__dict__.update(self.__dict__)
-        other.spec_factor, other.min_prob, other.name = spec_factor, min_prob, name
+        other = SuffixDecodingRunner(self.drafter.with_settings(max_spec_factor=spec_factor, min_token_prob=min_prob), name)
+        other.next_id = 1 << 40  # ids never collide with this runner's
         return other
 
     def draft(self, rids, budget):
-        trees = []
-        for rid in rids:
-            d = self.cache.speculate(rid, self.contexts[rid], max_spec_tokens=budget, max_spec_factor=self.spec_factor,
-                                     min_token_prob=self.min_prob, use_tree_spec=True)
-            k = len(d.token_ids)
-            parents = np.asarray(d.parents, dtype=np.int32)
-            depths = np.zeros(k, dtype=np.int32)
-            for i in range(k):
-                depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
-            trees.append(sssd.DraftTree(np.asarray(d.token_ids, dtype=np.int64), parents, depths,
-                                        np.asarray(d.probs, dtype=np.float32), np.zeros(k, np.uint8), np.full(k, np.nan, np.float32)))
-        return sssd.tree.concat(trees)
+        return self.drafter.draft(rids, budget)
 
     def update(self, rids, token_lists):
-        for rid, tokens in zip(rids, token_lists):
-            tokens = np.asarray(tokens, dtype=np.int32)
-            self.cache.add_active_response(rid, tokens)
-            self.contexts[rid] = np.concatenate([self.contexts[rid], tokens])
+        self.drafter.extend_batch(rids, token_lists)
 
 
 def replay(runner, pairs, B: int, budget: int, steps: int, pair_offset: int):
@@ -218,7 +190,7 @@ def main() -> int:
     runners[1].name = "sssd_1thread"
     if args.peers:
         print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
-        sd = SuffixDecodingRunner(np.asarray(ds_tokens), args.sd_spec_factor, args.sd_min_prob, "suffix_decoding")
+        sd = SuffixDecodingRunner.warmed(np.asarray(ds_tokens), args.sd_spec_factor, args.sd_min_prob, "suffix_decoding")
         print(f"  done in {sd.warm_seconds:.0f} s")
         # Its defaults (max_spec_factor=1, min_token_prob=0.1) draft few tokens; the
         # swept setting (factor 4, min prob 0 by default) fills the budget like SSSD.

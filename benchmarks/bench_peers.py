@@ -1,0 +1,450 @@
+"""Peers side by side: SSSD vs prompt lookup (HF), vLLM n-gram, REST, ADED and
+SuffixDecoding on the same data, datastore corpus and tokenizer.
+
+For every evaluation set, each peer's few settings are swept on the set's
+development split at the sweep budgets (16 and 32) and the setting with the
+best mean MAT is kept; then, on the evaluation split, every system replays
+greedy decoding at each budget (4, 8, 16, 32, 64) and reports MAT (mean
+accepted tokens per step, bonus token included) and draft µs per call (per
+request and step; SSSD drafts the lockstep batch in one call, the peers loop).
+SSSD runs with its default config, a calibrated config if given
+(``--sssd-config``, a parameter file from ``sssd calibrate``; it is fitted on
+development data only, so use the same split), and the paper's Figure 4(a)
+ablation: input only, datastore only, both merged.
+
+Evaluation sets (``--sets``):
+  sharegpt-heldout  the default datastore's held-out ShareGPT conversations:
+             SmolLM2 ground truth if the file exists, else the recorded
+             answers (raw turns, no chat template). Reported as *clean* and
+             *contaminated*: an output is contaminated when >= 50% of its
+             32-token windows occur verbatim in the datastore (ShareGPT holds
+             near-duplicate conversations).
+  mtbench, gsm8k, humaneval
+             SmolLM2 ground-truth files (``sssd groundtruth``; skipped while
+             they do not exist).
+Development and evaluation splits are disjoint: sssd.calibration.datasets'
+split by a hash of each record's id, the one ``sssd calibrate`` uses.
+
+Usage (SuffixDecoding and ADED need .venv-peers: bash benchmarks/peers/setup_arctic.sh):
+  OMP_WAIT_POLICY=passive .venv-peers/bin/python benchmarks/bench_peers.py --limit 100
+  python benchmarks/bench_peers.py --peers pld ngram rest --sets sharegpt-heldout --limit 50
+  python benchmarks/bench_peers.py --plot-only benchmarks/out/peers.jsonl   # redraw the figure
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT_DIR, Recorder, machine  # noqa: E402
+
+import sssd  # noqa: E402
+from sssd.calibration.replay import Example, replay  # noqa: E402
+
+SETS = ("sharegpt-heldout", "mtbench", "gsm8k", "humaneval")
+PEERS = ("pld", "ngram", "rest", "rest-uncut", "aded", "suffix")
+SSSD_DEFAULT = "SSSD (default)"
+SSSD_CALIBRATED = "SSSD (calibrated)"
+SSSD_INPUT_ONLY = "SSSD input only"
+SSSD_DATASTORE_ONLY = "SSSD datastore only"
+
+
+# -- data ---------------------------------------------------------------------
+@dataclass
+class EvalSet:
+    """One evaluation set: its development split (where the peers' settings
+    are chosen) and its evaluation split, reported as one or more subsets
+    (ShareGPT: clean and contaminated)."""
+
+    name: str
+    source: str
+    dev: list[Example] = field(default_factory=list)
+    evals: dict[str, list[Example]] = field(default_factory=dict)
+
+
+def split_of(record_id: str, dev_fraction: float) -> str:
+    """'dev' or 'eval': sssd.calibration.datasets.split_of, the split ``sssd
+    calibrate`` uses, so that a calibrated config never saw the evaluation
+    split (a stand-in hash if that module is missing from this tree)."""
+    try:
+        from sssd.calibration.datasets import split_of as colleague_split
+    except ImportError:
+        h = int.from_bytes(hashlib.sha256(f"sssd-split:{record_id}".encode()).digest()[:8], "big") / 2**64
+        return "dev" if h < dev_fraction else "eval"
+    return colleague_split(record_id, dev_fraction)
+
+
+def contamination(datastore: sssd.Datastore, outputs: list[np.ndarray], end_ids=()) -> list[float]:
+    """Per output, the fraction of its 32-token windows (stride 1) found verbatim in the datastore."""
+    try:
+        from sssd.calibration.datasets import contamination as colleague_contamination
+    except ImportError:
+        colleague_contamination = None
+    if colleague_contamination is not None:
+        return colleague_contamination(outputs, datastore, 32, end_ids=end_ids)
+    out = []
+    for ids in outputs:
+        ids = np.asarray(ids, dtype=np.int64)
+        while ids.size and int(ids[-1]) in set(end_ids):
+            ids = ids[:-1]
+        wins = np.lib.stride_tricks.sliding_window_view(ids, 32) if ids.size > 32 else [ids]
+        out.append(float(np.mean([datastore.count(np.ascontiguousarray(w)) > 0 for w in wins])) if ids.size else float("nan"))
+    return out
+
+
+def groundtruth(dataset: str, model: str, explicit: dict[str, str], datastore: sssd.Datastore):
+    """(path, header, [(id, prompt, output)]) of a ground-truth file, or (None, reason, None)."""
+    try:
+        from sssd.calibration.ground_truth import default_path, load_groundtruth
+    except ImportError as e:
+        return None, f"no ground-truth loader in this tree ({e})", None
+    path = explicit.get(dataset)
+    if path is None:
+        try:
+            path = default_path(model, dataset)
+        except Exception as e:  # noqa: BLE001 - e.g. an unknown model name: reported, the set skipped
+            return None, f"no default ground-truth path ({e})", None
+    if not Path(path).exists():
+        return None, f"{path} does not exist (yet)", None
+    header, examples = load_groundtruth(path, tokenizer=datastore)
+    items = [(ex.id, np.asarray(ex.prompt, dtype=np.int64), np.asarray(ex.output, dtype=np.int64)) for ex in examples]
+    return Path(path), header, items
+
+
+def raw_heldout(datastore: sssd.Datastore, max_prompt: int = 1024, max_answer: int = 512):
+    """ShareGPT held-out (id, prompt, answer) with the recorded answers, tokenized
+    as replay_data.heldout_pairs does (raw turns, no chat template): every
+    assistant turn that follows a user turn, answers longer than 8 tokens."""
+    from sssd.calibration.datasets import sharegpt_heldout
+    from sssd.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(datastore.tokenizer_path())
+    out = []
+    for r in sharegpt_heldout(datastore, turns="all"):
+        answer = np.asarray(tok.encode(r.reference), dtype=np.int64)
+        if len(answer) <= 8:
+            continue
+        prompt = np.concatenate([np.asarray(tok.encode(m["content"]), dtype=np.int64) for m in r.messages])
+        out.append((r.id, prompt[-max_prompt:], answer[:max_answer]))
+    return out
+
+
+def load_sets(datastore: sssd.Datastore, args) -> tuple[list[EvalSet], list[str]]:
+    notes: list[str] = []
+    sets: list[EvalSet] = []
+    explicit = dict(kv.split("=", 1) for kv in args.groundtruth)
+    for name in args.sets:
+        path, header, items = groundtruth(name, args.gt_model, explicit, datastore)
+        end_ids: list[int] = []
+        if path is None:
+            if name != "sharegpt-heldout":
+                notes.append(f"{name}: skipped: {header}")
+                continue
+            notes.append(f"sharegpt-heldout: SmolLM2 ground truth not used ({header}); the recorded answers instead")
+            items = raw_heldout(datastore)
+            source = f"{datastore.path}/heldout.jsonl (recorded answers, raw turns)"
+        else:
+            source = f"{path} ({header.get('generation', {}).get('mode', '?')})"
+            end_ids = list(header.get("generation", {}).get("stop_ids") or [])
+        subset = {rid: "" for rid, _, _ in items}
+        if name == "sharegpt-heldout":
+            frac = np.asarray(contamination(datastore, [a for _, _, a in items], end_ids), dtype=float)
+            subset = {rid: "sharegpt-contaminated" if f >= 0.5 else "sharegpt-clean" for (rid, _, _), f in zip(items, frac)}
+            notes.append(f"sharegpt-heldout: {int((frac >= 0.5).sum())} of {len(items)} outputs contaminated "
+                         "(>= 50% of their 32-token windows verbatim in the datastore)")
+        es = EvalSet(name, f"{source}, {len(items)} records")
+        if name == "sharegpt-heldout":
+            es.evals = {"sharegpt-clean": [], "sharegpt-contaminated": []}
+        else:
+            es.evals = {name: []}
+        chosen = [it for it in items if len(it[1]) and len(it[2])]
+        chosen.sort(key=lambda it: hashlib.sha256(it[0].encode()).digest())  # --limit takes a hash-random subset
+        for rid, p, a in chosen:
+            part = es.dev if split_of(rid, args.dev_fraction) == "dev" else es.evals[subset[rid] or name]
+            if args.limit is None or len(part) < args.limit:
+                part.append(Example(p, a))
+        sets.append(es)
+    return sets, notes
+
+
+# -- systems ------------------------------------------------------------------
+@dataclass
+class System:
+    """A drafter to replay: a name, the settings to sweep, and a factory."""
+
+    name: str
+    grid: list[dict]
+    make: Callable[[dict], Any]
+    is_peer: bool = True
+
+
+def fmt_settings(s: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
+
+
+def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[System]:
+    from peers import aded, ngram_vllm, pld, rest, suffix_decoding
+
+    systems: list[System] = []
+    want = set(args.peers)
+    if "pld" in want:
+        systems.append(System(pld.PromptLookupDrafter.name, [{"max_matching_ngram_size": n} for n in (1, 2, 3, 4)],
+                              lambda s: pld.PromptLookupDrafter(**s)))
+    if "ngram" in want:
+        systems.append(System(ngram_vllm.NgramVLLMDrafter.name,
+                              [{"prompt_lookup_min": a, "prompt_lookup_max": b} for a, b in ((5, 5), (3, 5), (2, 4), (1, 3), (1, 5))],
+                              lambda s: ngram_vllm.NgramVLLMDrafter(**s)))
+    if "rest" in want:
+        systems.append(System("REST", [{"long": 10}, {"long": 16}],
+                              lambda s: rest.RESTDrafter(datastore, cut=True, seed=args.seed, **s)))
+    if "rest-uncut" in want:
+        systems.append(System("REST, uncut (variant)", [{"long": 10}, {"long": 16}],
+                              lambda s: rest.RESTDrafter(datastore, cut=False, seed=args.seed, **s)))
+    if "aded" in want:
+        if aded.available():
+            t0 = time.perf_counter()
+            index = aded.cached_index(datastore)
+            notes.append(f"ADED: index {index} ({index.stat().st_size / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.0f} s)")
+            systems.append(System(aded.NAME, [{}], lambda s: aded.ADEDDrafter(index)))  # a fresh Reader per replay
+        else:
+            notes.append("ADED: skipped: draftretriever is not installed (bash benchmarks/peers/setup_arctic.sh)")
+    if "suffix" in want:
+        if suffix_decoding.available():
+            print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
+            warm = suffix_decoding.WarmCache(datastore.tokens, max_tree_depth=64)
+            notes.append(f"SuffixDecoding: global tree warmed with {warm.documents:,} documents in {warm.warm_seconds:.0f} s")
+            grid = [{"max_spec_factor": f, "min_token_prob": p} for f in (1.0, 2.0, 4.0, 8.0) for p in (0.0, 0.05, 0.1)]
+            systems.append(System(suffix_decoding.NAME, grid, lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s)))
+        else:
+            notes.append("SuffixDecoding: skipped: arctic-inference is not installed (bash benchmarks/peers/setup_arctic.sh)")
+
+    threads = args.threads
+
+    def sssd_system(name: str, **overrides) -> System:
+        def make(s: dict, budget: int | None = None):
+            cfg = sssd.DrafterConfig() if not s.get("config") else sssd.DrafterConfig.load(s["config"], budget)
+            return sssd.Drafter(datastore, cfg.replace(num_threads=threads, **overrides))
+
+        return System(name, [{}], make, is_peer=False)
+
+    systems.append(sssd_system(SSSD_DEFAULT))
+    if args.sssd_config:
+        cal = sssd_system(SSSD_CALIBRATED)
+        cal.grid = [{"config": args.sssd_config}]
+        systems.append(cal)
+    if not args.no_ablation:
+        systems.append(sssd_system(SSSD_INPUT_ONLY, use_datastore=False))
+        systems.append(sssd_system(SSSD_DATASTORE_ONLY, use_input=False))
+    return systems
+
+
+def run_replay(system: System, settings: dict, examples: list[Example], budget: int, batch_size: int):
+    if system.name == SSSD_CALIBRATED:
+        drafter = system.make(settings, budget)  # the file's parameters for this budget
+    else:
+        drafter = system.make(settings)
+    res = replay(drafter, examples, budget, batch_size=batch_size)
+    if len(drafter):
+        raise RuntimeError(f"{system.name}: requests left open after a replay")
+    return res
+
+
+def result_record(res, **extra) -> dict:
+    return {**extra, "mat": round(res.mat, 4), "draft_us": round(res.draft_us_per_call, 2), "steps": res.steps,
+            "tokens": res.tokens, "nodes_per_step": round(float(res.drafted_per_depth.sum()) / max(res.steps, 1), 2)}
+
+
+# -- report -------------------------------------------------------------------
+def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) -> None:
+    print(f"\n== {set_name}: {info}")
+    head = f"{'system':28s} {'setting (chosen on dev)':40s} " + " ".join(f"{'MAT@' + str(b):>7s}" for b in budgets)
+    head += " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'nodes@32':>8s}"
+    print(head)
+    by_system: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by_system.setdefault(r["system"], {})[r["budget"]] = r
+    for name, cells in by_system.items():
+        first = next(iter(cells.values()))
+        line = f"{name:28s} {first['settings'][:40]:40s} " + " ".join(
+            f"{cells[b]['mat']:7.3f}" if b in cells else f"{'':7s}" for b in budgets)
+        line += " " + " ".join(f"{cells[b]['draft_us']:7.1f}" if b in cells else f"{'':7s}" for b in budgets if b in (16, 32))
+        line += f" {cells[32]['nodes_per_step']:8.1f}" if 32 in cells else ""
+        print(line)
+
+
+def goals(set_name: str, rows: list[dict], reference: str) -> list[str]:
+    """The issue's goals on one set: >= 1.3x the best peer's MAT at budgets 16
+    and 32, at a lower draft cost than every peer."""
+    out = []
+    for b in (16, 32):
+        ref = next((r for r in rows if r["system"] == reference and r["budget"] == b), None)
+        peers = [r for r in rows if r["peer"] and r["budget"] == b]
+        if ref is None or not peers:
+            continue
+        best = max(peers, key=lambda r: r["mat"])
+        ratio = ref["mat"] / best["mat"]
+        dearest = min(peers, key=lambda r: r["draft_us"])
+        mat_ok = ratio >= 1.3
+        cost_ok = ref["draft_us"] < dearest["draft_us"]
+        out.append(f"{set_name} budget {b}: {reference} MAT {ref['mat']:.3f} = {ratio:.2f}x best peer "
+                   f"({best['system']} {best['mat']:.3f}): {'met' if mat_ok else 'MISSED'} (goal 1.3x); "
+                   f"draft {ref['draft_us']:.1f} us vs cheapest peer {dearest['system']} {dearest['draft_us']:.1f} us: "
+                   f"{'met' if cost_ok else 'MISSED'}")
+    return out
+
+
+def plot(records: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed here: redraw the figure with "
+              f"`.venv/bin/python benchmarks/bench_peers.py --plot-only {OUT_DIR / 'peers.jsonl'}`")
+        return None
+    evals = [r for r in records if r.get("split") == "eval"]
+    sets = list(dict.fromkeys(r["set"] for r in evals))
+    if not sets:
+        return None
+    cols = min(3, len(sets))
+    rows = (len(sets) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    for ax, set_name in zip(axes.flat, sets):
+        systems = list(dict.fromkeys(r["system"] for r in evals if r["set"] == set_name))
+        for name in systems:
+            pts = sorted((r["budget"], r["mat"]) for r in evals if r["set"] == set_name and r["system"] == name)
+            style = "-" if name.startswith("SSSD") else "--"
+            width = 2.4 if name in (SSSD_DEFAULT, SSSD_CALIBRATED) else 1.3
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, lw=width, label=name)
+        ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget"] for r in evals})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_title(set_name)
+        ax.set_xlabel("budget (draft tokens per step)")
+        ax.set_ylabel("MAT (accepted tokens per step)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(sets):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def last_run(jsonl: Path) -> list[dict]:
+    records: list[dict] = []
+    for line in jsonl.read_text().splitlines():
+        d = json.loads(line)
+        if "header" in d:
+            records = []
+        else:
+            records.append(d)
+    return records
+
+
+# -- main -----------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datastore", default="default", help="datastore directory (default: the default datastore)")
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--sweep-budgets", type=int, nargs="+", default=[16, 32], help="budgets of the peers' sweep on dev")
+    ap.add_argument("--limit", type=int, help="at most N examples per set and split (a hash-random subset)")
+    ap.add_argument("--dev-fraction", type=float, default=0.25, help="share of each set in the development split "
+                    "(sssd.calibration.datasets.DEV_FRACTION; keep it equal to the calibration's)")
+    ap.add_argument("--sssd-config", help="calibrated SSSD parameter file (sssd calibrate), also reported")
+    ap.add_argument("--no-ablation", action="store_true", help="skip SSSD input-only / datastore-only")
+    ap.add_argument("--gt-model", default="smollm2-135m-instruct", help="model whose ground-truth files to use "
+                    "(sssd.calibration.ground_truth.default_path)")
+    ap.add_argument("--groundtruth", nargs="*", default=[], metavar="SET=PATH", help="ground-truth files by set name")
+    ap.add_argument("--threads", type=int, default=1, help="SSSD OpenMP threads (1: as single-threaded as the peers)")
+    ap.add_argument("--batch-size", type=int, default=256, help="sequences replayed in lockstep")
+    ap.add_argument("--seed", type=int, default=0, help="REST's stand-in for Rust's random hash order")
+    ap.add_argument("--plot-only", metavar="JSONL", help="only redraw the figure from a records file (its last run)")
+    args = ap.parse_args()
+
+    if args.plot_only:
+        out = plot(last_run(Path(args.plot_only)), Path(args.plot_only).with_suffix(".png"))
+        print(f"figure: {out}")
+        return 0 if out else 1
+
+    from sssd.drafter import resolve_datastore
+
+    t_start = time.perf_counter()
+    datastore = resolve_datastore(args.datastore)
+    datastore.warm()
+    sets, notes = load_sets(datastore, args)
+    systems = build_systems(datastore, args, notes)
+    rec = Recorder("peers", {**vars(args), "datastore": str(datastore.path), "datastore_tokens": datastore.size})
+    for n in notes:
+        print(n)
+    records: list[dict] = []
+    goal_lines: list[str] = []
+    reference = SSSD_CALIBRATED if args.sssd_config else SSSD_DEFAULT
+    for es in sets:
+        if not any(es.evals.values()):
+            print(f"\n== {es.name}: no evaluation examples; skipped")
+            continue
+        rows: dict[str, list[dict]] = {sub: [] for sub in es.evals}
+        for system in systems:
+            settings = system.grid[0]
+            if len(system.grid) > 1 and es.dev:
+                dev_mat = []
+                for s in system.grid:
+                    mats = []
+                    for b in args.sweep_budgets:
+                        t0 = time.perf_counter()
+                        res = run_replay(system, s, es.dev, b, args.batch_size)
+                        rec.add(**result_record(res, set=es.name, split="dev", system=system.name, settings=fmt_settings(s),
+                                                budget=b, peer=system.is_peer, examples=len(es.dev)))
+                        mats.append(res.mat)
+                        print(f"  [{es.name} dev] {system.name} {fmt_settings(s)} budget {b}: MAT {res.mat:.3f}, "
+                              f"{res.draft_us_per_call:.1f} us/call ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    dev_mat.append(float(np.mean(mats)))
+                settings = system.grid[int(np.argmax(dev_mat))]
+                rec.add(set=es.name, system=system.name, chosen=fmt_settings(settings),
+                        dev_mean_mat={fmt_settings(s): round(m, 4) for s, m in zip(system.grid, dev_mat)})
+            for sub, examples in es.evals.items():
+                if not examples:
+                    continue
+                for b in args.budgets:
+                    t0 = time.perf_counter()
+                    res = run_replay(system, settings, examples, b, args.batch_size)
+                    shown = "calibrated file" if system.name == SSSD_CALIBRATED else fmt_settings(settings)
+                    r = result_record(res, set=sub, split="eval", system=system.name, settings=shown, budget=b,
+                                      peer=system.is_peer, examples=len(examples))
+                    rec.add(**r)
+                    rows[sub].append(r)
+                    print(f"  [{sub} eval] {system.name} budget {b}: MAT {res.mat:.3f}, {res.draft_us_per_call:.1f} us/call, "
+                          f"{r['nodes_per_step']:.1f} nodes/step ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for sub, examples in es.evals.items():
+            if not examples:
+                continue
+            records.extend(rows[sub])
+            tokens = sum(len(e.output) for e in examples)
+            print_table(sub, rows[sub], args.budgets, f"eval {len(examples)} examples ({tokens:,} output tokens); "
+                        f"settings chosen on {es.name} dev ({len(es.dev)} examples); source {es.source}")
+            goal_lines += goals(sub, rows[sub], reference)
+    print("\nGoals (issue 4):")
+    for line in goal_lines:
+        print("  " + line)
+    figure = plot(records, OUT_DIR / "peers.png")
+    print(f"\nmachine: {machine()}; {time.perf_counter() - t_start:.0f} s; records: {rec.path}" + (f"; figure: {figure}" if figure else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
