@@ -36,6 +36,19 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
     __version__ = "0.0.0+unknown"
 
 
+def __getattr__(name: str):
+    # The engine needs torch and transformers: load it only when asked for.
+    if name == "LLM":
+        from sssd.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from sssd.serving.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'sssd' has no attribute {name!r}")
+
+
 def build_info() -> dict:
     """How the native extension was built (OpenMP, threads, compiler)."""
     return dict(_core.build_info(), version=__version__)
@@ -56,7 +69,9 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "DrafterConfig",
+    "LLM",
     "SSSDError",
+    "SamplingParams",
     "SourceDiscount",
     "UnknownRequestError",
     "ancestor_mask",

@@ -1,0 +1,176 @@
+"""End-to-end decoding speed: SSSD vs the same engine without speculation.
+
+For each model and prompt set, at each batch size, the same prompts are
+generated twice in one run (greedy, float32): by the engine with SSSD
+speculation (budget chosen per step by the planner, or fixed with
+--budget) and by the same engine with speculation off. Reported per run:
+output tokens per second (all requests), mean per-token latency (a
+request's time from admission to last token / its tokens, averaged), MAT,
+the budgets the planner chose, and whether the outputs were identical (they
+must be). At batch 1 it also times Hugging Face transformers' own
+generate() with prompt_lookup_num_tokens (its prompt lookup decoding).
+
+Plots (benchmarks/out/): latency vs throughput per model (the paper's
+Figure 6 shape) and the forward-cost curve (time per step vs tokens per
+step) that the planner profiles.
+
+Usage:
+  python benchmarks/bench_e2e.py --models smollm2-135m-instruct --sets mtbench gsm8k humaneval
+  python benchmarks/bench_e2e.py --batch-sizes 1 4 16 --prompts 16 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT_DIR, Recorder, machine  # noqa: E402
+
+import sssd  # noqa: E402
+from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
+from sssd.serving.params import SamplingParams  # noqa: E402
+
+
+def load_prompts(dataset: str, n: int):
+    """Chat prompts from a packaged evaluation set (see sssd.calibration.datasets)."""
+    from sssd.calibration import datasets
+
+    loaders = {"mtbench": datasets.mtbench, "gsm8k": datasets.gsm8k, "humaneval": datasets.humaneval}
+    records = loaders[dataset]()
+    eval_part = datasets.split(records, "eval")  # the calibration tool never saw these
+    return [r.messages for r in eval_part[:n]]
+
+
+def run(engine: LLMEngine, prompts, batch: int, max_tokens: int):
+    """Generates every prompt with at most `batch` running at once; returns outputs and seconds."""
+    engine.config = engine.config  # frozen dataclass: the slot count is the engine's max_running
+    params = SamplingParams(max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return outs, time.perf_counter() - t0
+
+
+def summarize(outs, seconds: float) -> dict:
+    tokens = sum(len(o.token_ids) for o in outs)
+    lat = [(o.metrics["finish"] - o.metrics["arrival"]) / max(len(o.token_ids), 1) for o in outs]
+    steps = sum(o.stats["steps"] for o in outs)
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
+            "latency_ms_per_token": round(1e3 * float(np.mean(lat)), 2),
+            "mat": round(tokens / steps, 4) if steps else None}
+
+
+def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: int, ngram: int = 10):
+    """transformers' generate() with prompt lookup decoding, batch 1, greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokens, t0, same = 0, time.perf_counter(), True
+    for p in prompts:
+        ids = torch.tensor([engine.encode(p)])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, prompt_lookup_num_tokens=ngram,
+                                 pad_token_id=engine.tokenizer.eos_token_id)
+        tokens += out.shape[1] - ids.shape[1]
+    return {"tokens": tokens, "seconds": round(time.perf_counter() - t0, 3),
+            "tokens_per_s": round(tokens / (time.perf_counter() - t0), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"], help="model names or folders")
+    ap.add_argument("--datastores", nargs="+", default=["default"],
+                    help="one per model: a datastore built with that model's tokenizer ('default' for SmolLM2)")
+    ap.add_argument("--drafter", default=None, help="drafter config / `sssd calibrate` parameter file (per model: same)")
+    ap.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per set (at least the largest batch)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: the planner chooses)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers prompt-lookup baseline")
+    args = ap.parse_args()
+    if len(args.datastores) == 1:
+        args.datastores = args.datastores * len(args.models)
+    rec = Recorder("e2e", vars(args))
+    curves = {}
+    for model, ds in zip(args.models, args.datastores):
+        max_b = max(args.batch_sizes)
+        spec = LLMEngine(model, datastore=ds, drafter=args.drafter,
+                         config=EngineConfig(max_running=max_b, max_model_len=2048, budget=args.budget, threads=args.threads))
+        plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=max_b, max_model_len=2048, speculate=False,
+                                                                       threads=args.threads))
+        name = Path(spec.runner.info.path).name
+        if spec.planner.profile is not None:
+            print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
+        curves[name] = []
+        for dataset in args.sets:
+            prompts = load_prompts(dataset, args.prompts)
+            for B in args.batch_sizes:
+                spec_cfg = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})
+                plain_cfg = plain.config.__class__(**{**plain.config.__dict__, "max_running": B})
+                spec.config, plain.config = spec_cfg, plain_cfg  # caps admission at B running requests
+                so, st = run(spec, prompts, B, args.max_tokens)
+                po, pt = run(plain, prompts, B, args.max_tokens)
+                s, p = summarize(so, st), summarize(po, pt)
+                same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
+                budgets = dict(sorted(spec.metrics.budgets.items()))
+                spec.metrics.budgets.clear()
+                row = {"model": name, "set": dataset, "batch": B, "sssd": s, "plain": p,
+                       "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3), "identical": same, "budgets": budgets}
+                if B == 1 and not args.no_hf:
+                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.runner.info.path), spec, prompts, args.max_tokens)
+                rec.add(**row)
+                curves[name].append(row)
+                print(f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "
+                      f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
+                      f"| speedup {row['speedup']:.2f}x identical={same} budgets={budgets}"
+                      + (f" | HF PLD {row['hf_prompt_lookup']['tokens_per_s']:.2f} tok/s" if "hf_prompt_lookup" in row else ""),
+                      flush=True)
+        plot(curves[name], name, spec)
+    print(f"machine: {machine()}; records: {rec.path}")
+    return 0
+
+
+def plot(rows, name: str, engine: LLMEngine) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
+    for key, label in (("sssd", "SSSD"), ("plain", "no speculation")):
+        for dataset in sorted({r["set"] for r in rows}):
+            pts = sorted((r["batch"], r[key]["tokens_per_s"], r[key]["latency_ms_per_token"]) for r in rows if r["set"] == dataset)
+            ax[0].plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=f"{label}, {dataset}",
+                       linestyle="-" if key == "sssd" else "--")
+            for b, x, y in pts:
+                ax[0].annotate(str(b), (x, y), fontsize=7)
+    ax[0].set_xlabel("throughput (output tokens/s)")
+    ax[0].set_ylabel("mean latency per token (ms)")
+    ax[0].set_title(f"{name}: latency vs throughput (labels: batch size)")
+    ax[0].grid(alpha=0.3)
+    ax[0].legend(fontsize=7)
+    prof = engine.planner.profile
+    if prof is not None:
+        for r, secs in zip(prof.rows, prof.seconds):
+            ax[1].plot([r * t for t in prof.tokens], [1e3 * s for s in secs], marker=".", label=f"{r} rows")
+        ax[1].set_xscale("log", base=2)
+        ax[1].set_xlabel("query tokens per forward pass (rows x tokens per row)")
+        ax[1].set_ylabel("forward pass (ms)")
+        ax[1].set_title("forward cost (the planner's profile)")
+        ax[1].grid(alpha=0.3)
+        ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    fig.savefig(OUT_DIR / f"e2e_{name}.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Batch-size-aware speculation budget (SSSD paper, section 3.2).
+
+Speculating with budget b at batch size B costs one forward pass over
+B x (b + 1) query tokens and yields B x MAT(b) tokens, where MAT(b) is the
+drafter's mean accepted tokens per step (bonus included) at that budget.
+Plain decoding (b = 0) costs a pass over B tokens and yields B. The planner
+picks, for the current batch, the budget with the most expected tokens per
+second:
+
+    b* = argmax_b  B * MAT(b) / t(B, b + 1)
+
+t(B, T) is the measured forward time on this machine (profiled once per
+model, dtype, device and thread count, cached on disk); MAT(b) comes from
+the drafter's calibration file (its per-budget development-set MAT), or
+from built-in estimates when there is none. Where no budget beats plain
+decoding, it returns 0: speculation is switched off for that step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sssd.paths import cache_dir
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sssd.serving.engine import LLMEngine
+
+#: Budgets the planner chooses among (0: no speculation).
+BUDGETS = (0, 4, 8, 16, 32, 64)
+#: MAT per budget without a calibration file: SSSD's default drafter replaying
+#: held-out ShareGPT answers with SmolLM2's tokenizer (benchmarks/RESULTS.md).
+DEFAULT_MAT = {0: 1.0, 4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}
+#: Batch rows and tokens per row at which the forward time is profiled.
+PROFILE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROFILE_TOKENS = (1, 5, 9, 17, 33, 65)
+
+
+@dataclass
+class ForwardProfile:
+    """Measured seconds per forward pass by (rows, tokens per row); interpolated in log space."""
+
+    rows: list[int]
+    tokens: list[int]
+    seconds: list[list[float]]  # [rows][tokens]
+    context: int
+    meta: dict = field(default_factory=dict)
+
+    def time(self, rows: int, tokens: int) -> float:
+        r = np.log(np.clip(rows, self.rows[0], self.rows[-1]))
+        t = np.log(np.clip(tokens, self.tokens[0], self.tokens[-1]))
+        grid = np.log(np.asarray(self.seconds))
+        lr, lt = np.log(self.rows), np.log(self.tokens)
+        # bilinear interpolation over the (log rows, log tokens) grid
+        per_row = np.array([np.interp(t, lt, g) for g in grid])
+        return float(np.exp(np.interp(r, lr, per_row)))
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "tokens": self.tokens, "seconds": self.seconds, "context": self.context, "meta": self.meta}
+
+    @classmethod
+    def measure(cls, engine: LLMEngine, context: int = 256, repeats: int = 2, log=None) -> ForwardProfile:
+        """Times dummy forward passes of the engine's model over its KV pool."""
+        from sssd.serving.verify import pack_trees
+
+        runner, pool = engine.runner, engine.pool
+        cap = pool.shape.slots
+        rows = [r for r in PROFILE_ROWS if r <= cap] or [cap]
+        max_t = min(PROFILE_TOKENS[-1], engine.max_model_len - context - 1)
+        tokens = [t for t in PROFILE_TOKENS if t <= max_t]
+        rng = np.random.default_rng(0)
+        seconds = []
+        for r in rows:
+            row_times = []
+            for t in tokens:
+                chain = [_chain_tree(t - 1) for _ in range(r)]
+                roots = rng.integers(0, runner.info.vocab_size, r).tolist()
+                packed = pack_trees(roots, [context] * r, chain)
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    hidden = runner.forward(pool, slice(0, r), packed)
+                    runner.logits(hidden[:, :t].reshape(-1, hidden.shape[-1]))
+                    best = min(best, time.perf_counter() - t0)
+                row_times.append(best)
+            seconds.append(row_times)
+            if log:
+                log(f"profiled {r} rows: " + ", ".join(f"{t} tok {s * 1e3:.1f} ms" for t, s in zip(tokens, row_times)))
+        return cls(rows, tokens, seconds, context)
+
+
+def _chain_tree(n: int):
+    import sssd
+
+    if n <= 0:
+        return None
+    return sssd.DraftTree(np.zeros(n, np.int64), np.arange(-1, n - 1, dtype=np.int32), np.arange(1, n + 1, dtype=np.int32),
+                          np.ones(n, np.float32), np.zeros(n, np.uint8), np.full(n, np.nan, np.float32))
+
+
+class BudgetPlanner:
+    """Chooses each decode step's draft budget (see the module docstring).
+
+    Args:
+        fixed: always this budget (no profiling); None to plan.
+        mat: MAT per budget (must include 0 -> 1.0).
+        profile: forward-time profile (needed when planning).
+    """
+
+    def __init__(self, fixed: int | None, mat: dict[int, float] | None = None, profile: ForwardProfile | None = None):
+        self.fixed = fixed
+        self.mat = dict(mat or DEFAULT_MAT)
+        self.mat[0] = 1.0
+        self.profile = profile
+        self.choices: dict[int, int] = {}  # batch size -> budget chosen (reported)
+        if fixed is None and profile is None:
+            raise ValueError("a planning budget planner needs a forward-time profile")
+
+    @property
+    def max_budget(self) -> int:
+        return self.fixed if self.fixed is not None else max(self.mat)
+
+    def expected_rate(self, batch: int, budget: int) -> float:
+        """Expected tokens per second at this batch size and budget."""
+        return batch * self.mat[budget] / self.profile.time(batch, budget + 1)
+
+    def budget(self, batch: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if batch not in self.choices:
+            self.choices[batch] = max(sorted(self.mat), key=lambda b: self.expected_rate(batch, b))
+        return self.choices[batch]
+
+    def table(self, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
+        """The planner's view: expected tokens/s per budget, and the choice, per batch size."""
+        rows = []
+        for B in batches:
+            rates = {b: round(self.expected_rate(B, b), 2) for b in sorted(self.mat)}
+            rows.append({"batch": B, "budget": self.budget(B), "tokens_per_s": rates})
+        return rows
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, log=None) -> BudgetPlanner:
+        cfg = engine.config
+        if not cfg.speculate:
+            return cls(fixed=0)
+        if cfg.budget is not None:
+            return cls(fixed=cfg.budget)
+        mat = _mat_from_drafter(engine)
+        return cls(fixed=None, mat=mat, profile=load_or_measure(engine, log=log))
+
+
+def _mat_from_drafter(engine: LLMEngine) -> dict[int, float]:
+    """Per-budget MAT from the drafter's calibration file, when it came from one."""
+    source = getattr(engine, "drafter_source", None)
+    if source and Path(source).is_file():
+        try:
+            d = json.loads(Path(source).read_text())
+            if d.get("format") == "sssd-calibration":
+                mats = {int(b): float(e["mat"]) for b, e in d["budgets"].items()}
+                return {b: m for b, m in mats.items() if b in BUDGETS or b > 0} | {0: 1.0}
+        except (OSError, ValueError, KeyError):
+            pass
+    return dict(DEFAULT_MAT)
+
+
+def _profile_key(engine: LLMEngine) -> str:
+    import torch
+
+    info = engine.runner.info
+    ident = {
+        "model": info.path, "mtime": os.path.getmtime(Path(info.path) / "config.json"), "dtype": str(engine.runner.dtype),
+        "device": str(engine.runner.device), "threads": torch.get_num_threads(), "slots": engine.pool.shape.slots,
+        "machine": platform.machine(), "cpu": platform.processor(), "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_or_measure(engine: LLMEngine, log=None) -> ForwardProfile:
+    """The cached profile for this model and machine, measured on first use."""
+    path = cache_dir() / "profiles" / f"forward-{_profile_key(engine)}.json"
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            return ForwardProfile(d["rows"], d["tokens"], d["seconds"], d["context"], d.get("meta", {}))
+        except (OSError, ValueError, KeyError):
+            pass
+    if log:
+        log(f"profiling the forward pass of {engine.runner.info.path} (once; cached in {path.parent})")
+    prof = ForwardProfile.measure(engine, log=log)
+    prof.meta = {"model": engine.runner.info.path, "measured_unix": int(time.time())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof.to_dict()))
+    tmp.replace(path)
+    return prof

@@ -1,0 +1,266 @@
+"""The engine: speculative decoding must not change outputs.
+
+Greedy: token-identical to Hugging Face's own greedy generate() and to the
+same engine without speculation, for several architectures, prompts, batch
+sizes and budgets. Sampling: identical to non-speculative decoding under the
+same seed, and distributed as the model says (chi-square).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import sssd
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.params import SamplingParams
+
+from tiny_models import WORDS, tiny_model
+
+ARCHS = ["llama", "qwen2", "gemma3"]
+PROMPTS = [
+    [5, 9, 23, 7, 3, 40, 41, 42, 3],
+    [10, 11, 12, 13, 10, 11, 12],
+    [4] * 20,  # longer than gemma3's sliding window of 8
+    [60],
+]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp(request.param) / request.param, request.param)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("llama") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Hugging Face's own greedy continuations (float32, no engine)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            g = ref.generate(torch.tensor(p)[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+def corpus_datastore(reference):
+    """A datastore holding the reference continuations in pieces and with
+    distractors, so that drafts are long, branchy and partly wrong."""
+    rng = np.random.default_rng(0)
+    docs = []
+    for p, r in zip(PROMPTS, reference):
+        full = p + r
+        for _ in range(3):
+            a = int(rng.integers(0, len(full) - 4))
+            docs.append(full[a : a + int(rng.integers(4, 16))])
+            wrong = list(full[a : a + 6])
+            wrong[int(rng.integers(2, 6))] = int(rng.integers(3, 93))
+            docs.append(wrong)
+    stream = [t for d in docs for t in d + [sssd.SEPARATOR]]
+    return sssd.Datastore.from_tokens(np.array(stream, dtype=np.uint32))
+
+
+def engine(model, datastore=None, **cfg):
+    cfg.setdefault("max_model_len", 256)
+    return LLMEngine(model, datastore=datastore, config=EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("budget, running", [(None, 4), (1, 1), (6, 2), (24, 4)])
+def test_greedy_is_token_identical(model, reference, budget, running):
+    spec = budget is not None
+    eng = engine(model, corpus_datastore(reference) if spec else None, speculate=spec, budget=budget, max_running=running)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    if spec:
+        total = sum(o.stats["accepted"] for o in outs)
+        assert total > 0, "the drafts should be right sometimes"
+        if budget >= 6:
+            assert eng.metrics.kv_moves > 0, "some accepted paths should not be the first branch"
+
+
+def test_continuous_batching_admits_and_retires_mid_flight(llama):
+    """Requests arriving while others decode get the same outputs as alone."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 3] for i in range(9)]
+    alone = [engine(llama, speculate=False).generate([p], SamplingParams(max_tokens=12 + i, ignore_eos=True))[0].token_ids
+             for i, p in enumerate(prompts)]
+    eng = engine(llama, None, speculate=True, budget=8, max_running=3, prefill_chunk=4)
+    ids, done = {}, {}
+    pending = list(enumerate(prompts))
+    while pending or eng.has_unfinished():
+        if pending and eng.step_count % 2 == 0:  # one new request every other step
+            i, p = pending.pop(0)
+            ids[eng.add_request(p, SamplingParams(max_tokens=12 + i, ignore_eos=True))] = i
+        for out in eng.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.token_ids
+        assert eng.num_running <= 3
+    assert [done[i] for i in range(len(prompts))] == alone
+
+
+def test_chunked_prefill_matches(llama):
+    long_prompt = [(7 * i) % 90 + 3 for i in range(70)]
+    want = engine(llama, speculate=False, prefill_chunk=512).generate([long_prompt], SamplingParams(max_tokens=10))[0]
+    got = engine(llama, speculate=True, budget=4, prefill_chunk=5).generate([long_prompt], SamplingParams(max_tokens=10))[0]
+    assert got.token_ids == want.token_ids
+
+
+def test_stops_inside_an_accepted_run(model, reference):
+    """A stop token, a stop string or max_tokens that fall inside a run of
+    several accepted tokens end the output exactly where plain decoding does."""
+    ds = corpus_datastore(reference)
+    plain, spec = engine(model, speculate=False), engine(model, ds, budget=24)
+    prompt, ref = PROMPTS[1], reference[1]
+    cases = [
+        SamplingParams(max_tokens=30, stop_token_ids=(ref[5],)),
+        SamplingParams(max_tokens=7, ignore_eos=True),
+        SamplingParams(max_tokens=30, ignore_eos=True, stop=(WORDS[ref[8] - 3],)),
+    ]
+    for params in cases:
+        a = plain.generate([prompt], params)[0]
+        b = spec.generate([prompt], params)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    cut = spec.generate([prompt], cases[0])[0]
+    assert cut.token_ids == ref[: ref.index(ref[5]) + 1] and cut.finish_reason == "stop"
+    assert len(spec.generate([prompt], cases[1])[0].token_ids) == 7
+    assert WORDS[ref[8] - 3] not in spec.generate([prompt], cases[2])[0].text
+
+
+def test_text_and_chat_prompts(llama):
+    eng = engine(llama, speculate=True, budget=4)
+    text = " ".join(WORDS[t - 3] for t in PROMPTS[0])
+    by_text = eng.generate([text], SamplingParams(max_tokens=6))[0]
+    by_ids = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=6))[0]
+    assert by_text.token_ids == by_ids.token_ids and by_text.text == by_ids.text
+    chat = eng.generate([[{"role": "user", "content": text}]], SamplingParams(max_tokens=6))[0]
+    assert chat.prompt_token_ids[: len(PROMPTS[0])] == PROMPTS[0]
+
+
+def test_abort_frees_the_slot_and_spares_the_others(llama):
+    eng = engine(llama, speculate=True, budget=4, max_running=2)
+    keep = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    gone = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.abort(gone) and not eng.abort(gone) and not eng.abort(12345)
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert outs[gone].finish_reason == "abort" and eng.num_running == 0
+    alone = engine(llama, speculate=False).generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert outs[keep].token_ids == alone.token_ids
+    assert eng.drafter is not None and len(eng.drafter) == 0  # drafter state freed too
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(llama, tmp_path):
+    eng = engine(llama, speculate=True, budget=4, max_model_len=64, max_waiting=2)
+    ok = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="at most"):
+        eng.add_request([5] * 80, SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request([5, 10_000], SamplingParams())
+    with pytest.raises(ValueError, match="a prompt is"):
+        eng.add_request([1.5, 2], SamplingParams())
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=5))
+    with pytest.raises(OverflowError, match="queue is full"):
+        eng.add_request(PROMPTS[2], SamplingParams(max_tokens=5))
+    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(seed="x")):
+        with pytest.raises(ValueError, match="invalid sampling"):
+            SamplingParams(**bad)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    assert {o.request_id for o in outs} >= {ok} and all(len(o.token_ids) <= 5 for o in outs)
+    # a max_tokens beyond the slot is clipped to what fits
+    long = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=10_000, ignore_eos=True))[0]
+    assert len(PROMPTS[0]) + len(long.token_ids) + 5 <= 64
+
+
+def test_not_a_causal_lm_is_refused(tmp_path):
+    from transformers import BertConfig
+
+    cfg = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertConfig(architectures=["BertForMaskedLM"], **cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a causal language model"):
+        LLMEngine(tmp_path, datastore=None)
+    (tmp_path / "llm").mkdir()
+    from transformers import LlamaConfig
+
+    LlamaConfig(architectures=["LlamaForCausalLM"], **cfg).save_pretrained(tmp_path / "llm")  # config, no weights
+    with pytest.raises(ValueError, match="cannot load"):
+        LLMEngine(tmp_path / "llm", datastore=None)
+    with pytest.raises(ValueError, match="not a local model folder"):
+        LLMEngine(tmp_path / "nothing", datastore=None)
+
+
+def test_sampling_with_a_seed_is_identical_with_and_without_speculation(model, reference):
+    """Each emitted token is one draw from the target's distribution at its
+    position, in the same order: the same seed gives the same text."""
+    params = [SamplingParams(max_tokens=25, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
+              for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20), (0.9, 0.8, 10)])]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    plain = engine(model, speculate=False, max_running=4).generate(prompts, params)
+    spec = engine(model, corpus_datastore(reference), budget=16, max_running=4).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.stats["accepted"] for o in spec) > 0
+
+
+def test_sampled_sequences_follow_the_models_distribution(llama):
+    """Chi-square: 2-token continuations sampled with speculation (drafts that
+    propose the likeliest tokens, so that most tokens are accepted from the
+    tree) against the model's exact probabilities p(t1) p(t2 | t1)."""
+    from transformers import AutoModelForCausalLM
+
+    temperature, prompt = 2.0, PROMPTS[1]
+    ref = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(ref(torch.tensor(prompt)[None]).logits[0, -1] / temperature, -1)
+        top = torch.topk(p1, 6).indices.tolist()
+        joint = {}
+        for t1 in top:
+            p2 = torch.softmax(ref(torch.tensor(prompt + [t1])[None]).logits[0, -1] / temperature, -1)
+            for t2 in torch.topk(p2, 4).indices.tolist():
+                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    # the datastore proposes exactly the likely 2-token continuations
+    stream = [t for (t1, t2) in joint for t in prompt[-3:] + [t1, t2, sssd.SEPARATOR]]
+    ds = sssd.Datastore.from_tokens(np.array(stream, dtype=np.uint32))
+    eng = engine(llama, ds, budget=24, max_running=64)
+    n = 4000
+    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
+                                       for s in range(n)])
+    accepted = sum(o.stats["accepted"] for o in outs)
+    assert accepted > n // 4, "many tokens should come from the tree"
+    counts = {}
+    for o in outs:
+        key = tuple(o.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    keys = list(joint)
+    observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
+    expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
+    chi2, pvalue = stats.chisquare(observed, expected)
+    assert pvalue > 1e-3, (chi2, pvalue)
+    # the test has power: a 5% bias on the likeliest pair would be detected
+    biased = list(observed)
+    shift = int(0.05 * observed[0])
+    biased[0] += shift
+    biased[-1] -= shift
+    assert stats.chisquare(biased, expected).pvalue < 1e-3 or shift < 25
+
+
+def test_llm_api_shape(llama):
+    llm = sssd.LLM(llama, datastore=None, budget=4, max_model_len=128)
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], sssd.SamplingParams(max_tokens=5))
+    assert len(outs) == 2 and all(o.finished and len(o.token_ids) <= 5 for o in outs)
+    assert set(outs[0].stats) >= {"steps", "accepted", "tokens_per_step", "accepted_per_step", "accepted_by_source"}
+    plain = sssd.LLM(llama, speculate=False, max_model_len=128).generate(PROMPTS[0], sssd.SamplingParams(max_tokens=5))
+    assert plain[0].token_ids == outs[0].token_ids
