@@ -84,6 +84,12 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
+def _log(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
 class LLMEngine:
     """Continuous-batching engine over one Hugging Face causal LM.
 
@@ -122,7 +128,7 @@ class LLMEngine:
             self.drafter = sssd.Drafter(ds, dcfg.replace(use_datastore=ds is not None))
         from sssd.serving.planner import BudgetPlanner
 
-        self.planner = BudgetPlanner.for_engine(self)
+        self.planner = BudgetPlanner.for_engine(self, log=_log)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request] = []   # slots[:num_decode] decode, the rest prefill
         self.num_decode = 0
