@@ -26,7 +26,9 @@ class LLM:
     Args:
         model: a model name from `sssd models list` or a local Hugging Face model folder.
         datastore: a Datastore, a directory, "default", or None (draft from the prompt only).
-        drafter: a DrafterConfig or a config / `sssd calibrate` parameter file.
+        drafter: a DrafterConfig or a config / `sssd calibrate` parameter file (default: the
+            packaged calibration for the default model with the default datastore, else the
+            built-in defaults).
         speculate: False runs the same engine without speculation.
         budget: fixed draft budget; None lets the engine choose per batch size.
         **engine: other EngineConfig fields (max_running, max_model_len, dtype, device, ...).
@@ -34,6 +36,10 @@ class LLM:
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, datastore: Any = "default", drafter: Any = None,
                  speculate: bool = True, budget: int | None = None, **engine: Any):
+        if drafter is None:
+            from sssd.paths import packaged_calibration
+
+            drafter = packaged_calibration(model, datastore)
         self.engine = LLMEngine(model, datastore=datastore if speculate else None, drafter=drafter,
                                 config=EngineConfig(speculate=speculate, budget=budget, **engine))
 

@@ -21,3 +21,16 @@ def default_datastore_path() -> Path:
     if env:
         return Path(env).expanduser()
     return cache_dir() / "datastores" / "sharegpt-smollm2"
+
+
+#: The model the packaged calibration was fitted for (with the default datastore).
+CALIBRATED_MODEL = "smollm2-135m-instruct"
+
+
+def packaged_calibration(model: str | os.PathLike, datastore: object = "default") -> Path | None:
+    """The `sssd calibrate` file shipped in the package for the default model with the default
+    datastore (sssd/data/calibration-smollm2.json), or None for any other pairing."""
+    if datastore != "default" or Path(str(model)).name != CALIBRATED_MODEL:
+        return None
+    path = Path(__file__).resolve().parent / "data" / "calibration-smollm2.json"
+    return path if path.is_file() else None

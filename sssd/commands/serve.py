@@ -55,7 +55,11 @@ def setup(p: argparse.ArgumentParser):
             from sssd.commands.draft import ensure_default_datastore
 
             ensure_default_datastore()
-        drafter = default_drafter(args.model) if args.drafter == "default" else args.drafter
+        drafter = args.drafter
+        if drafter == "default":
+            from sssd.paths import packaged_calibration
+
+            drafter = packaged_calibration(args.model, args.datastore)
         config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                               speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                               threads=args.threads)
@@ -119,12 +123,3 @@ def __getattr__(name):
         return _graceful_server_class()
     raise AttributeError(name)
 
-
-def default_drafter(model: str) -> str | None:
-    """The packaged calibration file for the default model, if any."""
-    from importlib import resources
-
-    if str(model) != "smollm2-135m-instruct":
-        return None
-    path = resources.files("sssd") / "data" / "calibration-smollm2-sharegpt.json"
-    return str(path) if path.is_file() else None
