@@ -174,3 +174,22 @@ def test_grid_evaluation_is_the_same_in_worker_processes(tiny):
     assert all(t.mat >= 1.0 for t in one)
     with pytest.raises(ValueError, match="no examples"):
         evaluate([Trial(configs[0], 8)], [], path, workers=1)
+
+
+def test_packaged_calibration_is_a_valid_file_for_the_default_pairing_only():
+    from sssd.paths import packaged_calibration
+
+    path = packaged_calibration("smollm2-135m-instruct")
+    assert path is not None and path.name == "calibration-smollm2.json"
+    assert packaged_calibration("/models/smollm2-135m-instruct") == path  # a pulled folder of that name
+    assert packaged_calibration("qwen2.5-coder-0.5b-instruct") is None
+    assert packaged_calibration("smollm2-135m-instruct", datastore="/my/own/store") is None
+    data = json.loads(path.read_text())
+    assert data["format"] == "sssd-calibration" and set(data["budgets"]) == {"4", "8", "16", "32", "64"}
+    mats = [data["budgets"][b]["mat"] for b in ("4", "8", "16", "32", "64")]
+    assert mats == sorted(mats) and mats[0] > 1  # more budget, more accepted tokens
+    for b in (4, 32):
+        cfg = sssd.DrafterConfig.load(path, budget=b)
+        entry = data["budgets"][str(b)]
+        assert cfg.budget == b and cfg.max_samples == entry["config"]["max_samples"]
+        assert (cfg.discounts.calibration is not None) == entry["calibrated"]
