@@ -16,7 +16,7 @@ step) that the planner profiles.
 
 Usage:
   python benchmarks/bench_e2e.py --models smollm2-135m-instruct --sets mtbench gsm8k humaneval
-  python benchmarks/bench_e2e.py --batch-sizes 1 4 16 --prompts 16 --max-tokens 128
+  python benchmarks/bench_e2e.py --batch-sizes 1 4 16 --prompts 8 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -64,21 +64,26 @@ def summarize(outs, seconds: float) -> dict:
             "mat": round(tokens / steps, 4) if steps else None}
 
 
-def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: int, ngram: int = 10):
-    """transformers' generate() with prompt lookup decoding, batch 1, greedy."""
+def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: int, reference, ngram: int = 10):
+    """transformers' generate() with prompt lookup decoding, batch 1, greedy; `reference` are the
+    plain engine's outputs (token ids), to check that its output is the same."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    tokens, t0, same = 0, time.perf_counter(), True
-    for p in prompts:
+    eos = sorted(engine.eos_ids)
+    tokens, same, t0 = 0, 0, time.perf_counter()
+    for p, ref in zip(prompts, reference):
         ids = torch.tensor([engine.encode(p)])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, prompt_lookup_num_tokens=ngram,
-                                 pad_token_id=engine.tokenizer.eos_token_id)
-        tokens += out.shape[1] - ids.shape[1]
-    return {"tokens": tokens, "seconds": round(time.perf_counter() - t0, 3),
-            "tokens_per_s": round(tokens / (time.perf_counter() - t0), 3)}
+                                 eos_token_id=eos, pad_token_id=eos[0])
+        new = out[0, ids.shape[1]:].tolist()
+        tokens += len(new)
+        same += new == list(ref)
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
+            "identical_to_plain": f"{same}/{len(prompts)}"}
 
 
 def main() -> int:
@@ -89,8 +94,11 @@ def main() -> int:
     ap.add_argument("--drafter", default=None, help="drafter config / `sssd calibrate` parameter file (per model: same)")
     ap.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per set (at least the largest batch)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per set at batch 1 (fewest)")
+    ap.add_argument("--prompts-per-row", type=int, default=2,
+                    help="at batch B, max(--prompts, B x this) prompts, so every batch size runs full for a while")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024, help="KV slot length (prompt + output + tree)")
     ap.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: the planner chooses)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers prompt-lookup baseline")
@@ -102,16 +110,17 @@ def main() -> int:
     for model, ds in zip(args.models, args.datastores):
         max_b = max(args.batch_sizes)
         spec = LLMEngine(model, datastore=ds, drafter=args.drafter,
-                         config=EngineConfig(max_running=max_b, max_model_len=2048, budget=args.budget, threads=args.threads))
-        plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=max_b, max_model_len=2048, speculate=False,
+                         config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads))
+        plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, speculate=False,
                                                                        threads=args.threads))
         name = Path(spec.runner.info.path).name
         if spec.planner.profile is not None:
             print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
         curves[name] = []
         for dataset in args.sets:
-            prompts = load_prompts(dataset, args.prompts)
+            all_prompts = load_prompts(dataset, max(args.prompts, args.prompts_per_row * max(args.batch_sizes)))
             for B in args.batch_sizes:
+                prompts = all_prompts[: max(args.prompts, args.prompts_per_row * B)]
                 spec_cfg = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})
                 plain_cfg = plain.config.__class__(**{**plain.config.__dict__, "max_running": B})
                 spec.config, plain.config = spec_cfg, plain_cfg  # caps admission at B running requests
@@ -121,10 +130,11 @@ def main() -> int:
                 same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
                 budgets = dict(sorted(spec.metrics.budgets.items()))
                 spec.metrics.budgets.clear()
-                row = {"model": name, "set": dataset, "batch": B, "sssd": s, "plain": p,
+                row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "sssd": s, "plain": p,
                        "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3), "identical": same, "budgets": budgets}
                 if B == 1 and not args.no_hf:
-                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.runner.info.path), spec, prompts, args.max_tokens)
+                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.runner.info.path), spec, prompts, args.max_tokens,
+                                                              [o.token_ids for o in po])
                 rec.add(**row)
                 curves[name].append(row)
                 print(f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "

@@ -126,6 +126,8 @@ class LLMEngine:
 
                 check_compatible(ds, path)
             self.drafter = sssd.Drafter(ds, dcfg.replace(use_datastore=ds is not None))
+            if ds is not None:
+                ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
         from sssd.serving.planner import BudgetPlanner
 
         self.planner = BudgetPlanner.for_engine(self, log=_log)
@@ -381,12 +383,14 @@ class LLMEngine:
         for req in reqs:  # slots move only now that every row is done
             if req.finished:
                 self._retire(req)
+        n_emitted = sum(len(v) for v in emitted.values())
         self.metrics.decode_step(B, int(packed.sizes.sum()), int(budgets.max()) if B else 0, t_draft, t_forward,
-                                 sum(len(v) for v in emitted.values()), [r.stats.accepted_per_step[-1] for r in reqs])
+                                 n_emitted, [r.stats.accepted_per_step[-1] for r in reqs])
         if self.drafter is not None:
             live = [(rid, toks) for rid, toks in emitted.items() if not self.requests[rid].finished and toks]
             if live:
                 self.drafter.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
+        self.planner.observe(B, budget, time.perf_counter() - t0, n_emitted)  # the whole step, as the client sees it
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Appends tokens one by one, honouring stop conditions; returns those kept."""

@@ -15,7 +15,7 @@ def linear_profile(fixed: float, per_token: float) -> ForwardProfile:
 
 def test_speculates_at_small_batches_and_stops_when_compute_bound():
     # Memory-bound regime: a step costs 50 ms plus 0.2 ms per query token.
-    p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, linear_profile(0.05, 0.0002))
+    p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, linear_profile(0.05, 0.0002), adaptive=False)
     assert p.budget(1) >= 16           # almost free tokens: a big tree pays
     assert p.budget(256) == 0          # 256 x 17 tokens cost far more than they yield
     choices = [p.budget(b) for b in (1, 4, 16, 64, 256)]
@@ -42,3 +42,54 @@ def test_engine_profiles_once_and_caches(tmp_path, monkeypatch):
     again = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
     assert again.planner.profile.seconds == prof.seconds  # read back, not re-measured
     assert eng.planner.budget(1) in (0, 4, 8, 16, 32, 64)
+
+
+def _run(planner, batch, steps, rate_of):
+    """Drives the planner: each step takes 1 s and emits rate_of(budget) tokens."""
+    chosen = []
+    for _ in range(steps):
+        b = planner.budget(batch)
+        planner.observe(batch, b, 1.0, rate_of(b))
+        chosen.append(b)
+    return chosen
+
+
+def test_measured_rates_override_the_model():
+    # The model says budget 16 pays at batch 1; measured, plain decoding is fastest.
+    p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, linear_profile(0.05, 0.0002))
+    prior = p.model_budget(1)
+    assert prior >= 16
+    chosen = _run(p, 1, 100, lambda b: 10 if b == 0 else 8)
+    explored = set(chosen[:20])
+    assert 0 in explored and prior in explored
+    assert chosen[-50:] == [0] * 50          # settles on what was measured fastest
+    assert p.observed()[1]["choice"] == 0
+    # where speculation pays, it keeps the best measured budget
+    q = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, linear_profile(0.05, 0.0002))
+    chosen = _run(q, 1, 100, lambda b: {0: 10}.get(b, 10 + b))
+    assert chosen[-50:] == [max(q.buckets[1].candidates)] * 50
+
+
+def test_planner_retries_candidates_after_refresh():
+    p = BudgetPlanner(None, {4: 1.7, 8: 1.9}, linear_profile(0.05, 0.0002), explore_steps=2, refresh=50)
+    rates = {0: 10, 4: 5, 8: 5}
+    chosen = _run(p, 3, 50, lambda b: rates[b])
+    assert chosen[-10:] == [0] * 10
+    rates.update({4: 20})                     # the workload changed: budget 4 now pays
+    chosen = _run(p, 4, 60, lambda b: rates[b])   # batch 3 and 4 share the bucket
+    assert chosen[-5:] == [4] * 5 and chosen.count(4) > 40
+
+
+def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
+    """Whatever budgets the planner tries, greedy output stays the plain output."""
+    from sssd.serving.params import SamplingParams
+
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model(tmp_path / "m", "llama")
+    prompts = [[5 + i, 9, 23, 7, 3, 40, 41, 42, 5 + i, 9, 23] for i in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
+    spec = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert len(spec.metrics.budgets) >= 2 and spec.planner.buckets  # it explored, and measured
