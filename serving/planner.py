@@ -98,6 +98,9 @@ class ForwardProfile:
         tokens = [t for t in PROFILE_TOKENS if t <= max_t]
         rng = np.random.default_rng(0)
         seconds: list[list[float]] = []
+        warm = pack_trees([0], [context], [_chain_tree(4)])
+        for _ in range(2):  # the first passes pay one-off costs (allocation, kernel selection)
+            runner.logits(runner.forward(pool, slice(0, 1), warm)[0])
         for r in rows:
             if seconds and len(tokens) > 1 and seconds[-1][1] > STOP_RATIO * seconds[-1][0]:
                 break  # not even a 4-token draft pays at this batch size: extrapolate the rest
