@@ -200,7 +200,10 @@ class BudgetPlanner:
         if key not in self.buckets:
             budgets = sorted(self.mat)
             i = budgets.index(prior)
-            cands = {0, prior, budgets[max(i - 1, 0)], budgets[min(i + 1, len(budgets) - 1)]}
+            near = {budgets[max(i - 1, 0)], budgets[min(i + 1, len(budgets) - 1)]}
+            # a neighbour the model expects to be far slower is not worth trying (large batches)
+            floor = 0.75 * self.expected_rate(key, prior)
+            cands = {0, prior} | {b for b in near if self.expected_rate(key, b) >= floor}
             self.buckets[key] = _Bucket(sorted(cands), prior, self.explore_steps, self.refresh)
         return self.buckets[key]
 

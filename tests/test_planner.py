@@ -93,3 +93,11 @@ def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     assert len(spec.metrics.budgets) >= 2 and spec.planner.buckets  # it explored, and measured
+
+
+def test_planner_does_not_try_budgets_the_model_rules_out():
+    # Compute-bound: every extra query token costs as much as the first.
+    p = BudgetPlanner(None, {4: 1.7, 8: 1.9}, linear_profile(0.0, 0.01))
+    assert p.model_budget(64) == 0
+    chosen = _run(p, 64, 30, lambda b: 10)
+    assert set(chosen) == {0}   # budget 4 would cost 5x for 1.7x the tokens: never explored
