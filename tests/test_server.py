@@ -176,6 +176,8 @@ def test_api_key_and_queue_limit(model):
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        missing = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert missing.status_code == 401 and "message" in missing.json()["error"]
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
         # one running + one waiting: a third concurrent request is refused with 429
         statuses = []
