@@ -4,6 +4,7 @@ unpacked archives) and the default datastore."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -21,6 +22,23 @@ def default_datastore_path() -> Path:
     if env:
         return Path(env).expanduser()
     return cache_dir() / "datastores" / "sharegpt-smollm2"
+
+
+def portable(obj: object) -> object:
+    """``obj`` (nested dicts/lists) with every string path under the SSSD cache written as
+    ``<sssd cache>/...``, under the Python environment (site-packages) as ``<python env>/...``
+    and under the home directory as ``~/...``: provenance recorded in
+    files that travel (a packaged calibration) names no one machine's directories."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v) for v in obj]
+    if isinstance(obj, str) and obj.startswith(os.sep):
+        for root, name in ((cache_dir(), "<sssd cache>"), (Path(sys.prefix), "<python env>"), (Path.home(), "~")):
+            root = str(root.expanduser().resolve())
+            if obj == root or obj.startswith(root + os.sep):
+                return name + obj[len(root):]
+    return obj
 
 
 #: The model the packaged calibration was fitted for (with the default datastore).

@@ -193,3 +193,23 @@ def test_packaged_calibration_is_a_valid_file_for_the_default_pairing_only():
         entry = data["budgets"][str(b)]
         assert cfg.budget == b and cfg.max_samples == entry["config"]["max_samples"]
         assert (cfg.discounts.calibration is not None) == entry["calibrated"]
+
+
+def test_provenance_names_no_machine_directories(tmp_path, monkeypatch):
+    from sssd.paths import packaged_calibration, portable
+
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    got = portable({"a": [str(tmp_path / "cache" / "models" / "m")], "b": "/elsewhere/x", "c": 3})
+    assert got == {"a": ["<sssd cache>/models/m"], "b": "/elsewhere/x", "c": 3}
+
+    def paths(obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from ([v] if k in ("path", "spec") and isinstance(v, str) else paths(v))
+        elif isinstance(obj, list):
+            for v in obj:
+                yield from paths(v)
+
+    data = json.loads(packaged_calibration("smollm2-135m-instruct").read_text())
+    found = list(paths({"datastore": data["datastore"], "groundtruth": data["groundtruth"]}))
+    assert found and not any(p.startswith("/") for p in found), found

@@ -70,9 +70,11 @@ def setup(p: argparse.ArgumentParser):
                 bar.close()
 
         result = calibrate(examples, datastore, args.budgets, axes, args.default_budget or None, args.workers, progress)
-        provenance = {"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
-                                    "tokenizer": datastore.manifest.get("tokenizer")},
-                      "groundtruth": sources}
+        from sssd.paths import portable
+
+        provenance = portable({"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
+                                             "tokenizer": datastore.manifest.get("tokenizer")},
+                               "groundtruth": sources})
         written = save(result, Path(args.output), provenance)
         print(f"{'budget':>6} {'default':>8} {'grid best':>9} {'+ curves':>9}  chosen")
         for b in result.budgets:
