@@ -15,6 +15,7 @@ concatenates the trees with ``sssd.tree.concat``. Nodes carry source 0,
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Sequence
 
 import numpy as np
@@ -116,7 +117,7 @@ def paths_tree(paths: Sequence[Sequence[int]], budget: int, pad: int = -2) -> Dr
     return tree(np.asarray(toks, dtype=np.int64)[order], par.astype(np.int32))
 
 
-class PerRequestDrafter:
+class PerRequestDrafter(abc.ABC):
     """Base of the peers that draft one request at a time from its own context.
 
     Subclasses implement ``_draft_one(context: np.ndarray, budget: int) -> DraftTree``.
@@ -151,8 +152,9 @@ class PerRequestDrafter:
         """Drafts once for a token prefix without opening a request."""
         return self._draft_one(np.asarray(prefix, dtype=np.int64), int(budget))
 
-    def _draft_one(self, context: np.ndarray, budget: int) -> DraftTree:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _draft_one(self, context: np.ndarray, budget: int) -> DraftTree:
+        """One request's draft from its tokens so far (each peer's own algorithm)."""
 
     def __len__(self) -> int:
         return len(self._ctx)
