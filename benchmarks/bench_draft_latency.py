@@ -60,11 +60,12 @@ def accepted_lengths(batch: sssd.DraftBatch, answers: list[np.ndarray], pos: np.
     return acc
 
 
-class SSSDRunner:
-    name = "sssd"
+class Runner:
+    """This script's runner protocol over any drafter with sssd.Drafter's interface
+    (open / draft / extend_batch / close): request ids are handed out here."""
 
-    def __init__(self, datastore, threads: int):
-        self.drafter = sssd.Drafter(datastore, num_threads=threads)
+    def __init__(self, drafter, name: str):
+        self.drafter, self.name = drafter, name
         self.next_id = 0
 
     def open(self, prompt):
@@ -83,16 +84,15 @@ class SSSDRunner:
         self.drafter.extend_batch(rids, token_lists)
 
 
-class SuffixDecodingRunner:
-    """This script's runner protocol over the SuffixDecoding peer adapter
-    (benchmarks/peers/suffix_decoding.py: its global tree warmed with the
-    datastore's documents, a finished request's response evicted so that
-    replays never draft from an earlier copy of the answer they replay)."""
+class SuffixDecodingRunner(Runner):
+    """The SuffixDecoding peer adapter (benchmarks/peers/suffix_decoding.py: its
+    global tree warmed with the datastore's documents, a finished request's
+    response evicted so that replays never draft from an earlier copy of the
+    answer they replay)."""
 
     def __init__(self, drafter, name: str):
-        self.drafter, self.name = drafter, name
+        super().__init__(drafter, name)
         self.warm_seconds = drafter.warm.warm_seconds
-        self.next_id = 0
 
     @classmethod
     def warmed(cls, datastore_tokens: np.ndarray, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
@@ -101,26 +101,11 @@ class SuffixDecodingRunner:
         warm = WarmCache(datastore_tokens, max_tree_depth=64)
         return cls(SuffixDecodingDrafter(warm, max_spec_factor=spec_factor, min_token_prob=min_prob), name)
 
-    def open(self, prompt):
-        rid = self.next_id
-        self.next_id += 1
-        self.drafter.open(rid, prompt)
-        return rid
-
-    def close(self, rid):
-        self.drafter.close(rid)
-
     def settings(self, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
         """The same warmed cache under other speculation settings (warming takes minutes)."""
         other = SuffixDecodingRunner(self.drafter.with_settings(max_spec_factor=spec_factor, min_token_prob=min_prob), name)
         other.next_id = 1 << 40  # ids never collide with this runner's
         return other
-
-    def draft(self, rids, budget):
-        return self.drafter.draft(rids, budget)
-
-    def update(self, rids, token_lists):
-        self.drafter.extend_batch(rids, token_lists)
 
 
 def replay(runner, pairs, B: int, budget: int, steps: int, pair_offset: int):
@@ -186,8 +171,8 @@ def main() -> int:
     print(f"datastore: {source}: {datastore.size:,} tokens; {len(pairs)} held-out (prompt, answer) pairs")
     rec = Recorder("draft_latency", {**vars(args), "datastore_tokens": datastore.size, "pairs": len(pairs)})
 
-    runners = [SSSDRunner(datastore, args.threads), SSSDRunner(datastore, 1)]
-    runners[1].name = "sssd_1thread"
+    runners = [Runner(sssd.Drafter(datastore, num_threads=args.threads), "sssd"),
+               Runner(sssd.Drafter(datastore, num_threads=1), "sssd_1thread")]
     if args.peers:
         print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
         sd = SuffixDecodingRunner.warmed(np.asarray(ds_tokens), args.sd_spec_factor, args.sd_min_prob, "suffix_decoding")
