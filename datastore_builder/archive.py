@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sssd.datastore import MANIFEST, DatastoreError
+from sssd.files import file_sha256
 from sssd.paths import cache_dir
 
 MAGIC = b"SSSDPACK"
@@ -290,11 +291,7 @@ def _point_tokenizer_at(directory: Path, final: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_COPY):
-                h.update(chunk)
+        return file_sha256(path)
     except OSError as e:
         raise DatastoreError(f"{path}: cannot read ({e.strerror})") from None
-    return h.hexdigest()

@@ -44,6 +44,7 @@ from sssd.datastore import DATA_FILES, FORMAT_VERSION, MANIFEST, DatastoreError,
 from sssd.datastore_builder.readers import CorpusError, Fields, Source, SourceStats, read_source, resolve_inputs
 from sssd.datastore_builder.sharegpt import HoldoutRule, select_turns
 from sssd.datastore_builder.tokenize import BATCH_DOCS, StageClock, tokenize_documents
+from sssd.files import file_sha256
 from sssd.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HELDOUT_FILE = "heldout.jsonl"
@@ -289,12 +290,8 @@ def _checksums(directory: Path, names: list[str], bars: _Bars) -> dict[str, dict
     out = {}
     with bars.bar("checksum", total=total, unit="B", unit_scale=True) as bar:
         for name in names:
-            h = hashlib.sha256()
-            with open(directory / name, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-                    bar.update(len(chunk))
-            out[name] = {"bytes": (directory / name).stat().st_size, "sha256": h.hexdigest()}
+            out[name] = {"bytes": (directory / name).stat().st_size,
+                         "sha256": file_sha256(directory / name, progress=bar.update)}
     return out
 
 

@@ -14,7 +14,6 @@ build never leaves anything that loads.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import numpy as np
 
 from sssd import _core
 from sssd._tokens import as_tokens
+from sssd.files import file_sha256
 
 SEPARATOR: int = int(_core.SEPARATOR)
 FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
@@ -36,14 +36,6 @@ DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE), str(_core.TO
 
 class DatastoreError(_core.SSSDError):
     """A datastore is missing, corrupt, or incompatible."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -168,7 +160,7 @@ class Datastore:
                 "index_bytes": 4 if arr.size < (1 << 32) - 2 else 8,
                 "created_unix": int(time.time()),
                 "build_seconds": round(time.perf_counter() - t0, 3),
-                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in DATA_FILES},
+                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)} for name in DATA_FILES},
             }
             manifest.update(metadata or {})
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sssd.files import read_json_dict
+
 #: The provenance file ``pull`` writes into every model folder.
 PROVENANCE_FILE = "sssd-model.json"
 #: Environment variable overriding where pulled models live.
@@ -274,7 +276,7 @@ def list_models(cache: str | Path | None = None) -> list[dict[str, Any]]:
             "path": str(path), "pulled": is_pulled(spec.name, cache), "notes": spec.notes,
         }
         if row["pulled"]:
-            prov = _read_json(path / PROVENANCE_FILE)
+            prov = read_json_dict(path / PROVENANCE_FILE)
             row["dtype"] = prov.get("dtype")
             row["disk_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         out.append(row)
@@ -327,7 +329,7 @@ def model_identity(path: str | Path, name: str | None = None) -> dict[str, Any]:
     path = Path(path)
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
-    prov = _read_json(path / PROVENANCE_FILE)
+    prov = read_json_dict(path / PROVENANCE_FILE)
     if prov.get("gguf_sha256"):
         h.update(f"gguf:{prov['gguf_sha256']}:dtype:{prov.get('dtype')}".encode())
     elif (path / "model.safetensors.index.json").is_file():
@@ -449,7 +451,7 @@ def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, for
     root = models_dir(cache)
     target = root / spec.name
     if is_pulled(spec.name, cache) and not force:
-        have = _read_json(target / PROVENANCE_FILE).get("dtype")
+        have = read_json_dict(target / PROVENANCE_FILE).get("dtype")
         if have != dtype:
             raise ValueError(f"model {spec.name!r} is already pulled as {have} in {target}; "
                              f"pass force=True (--force) to replace it with {dtype}")
@@ -729,22 +731,6 @@ def _versions() -> dict[str, str]:
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 __all__ = [

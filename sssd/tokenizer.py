@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sssd.datastore import DatastoreError
+from sssd.files import file_sha256, read_json_dict
 
 #: The file a datastore keeps its tokenizer in, next to manifest.json.
 TOKENIZER_FILE = "tokenizer.json"
@@ -181,8 +182,8 @@ def _from_json(path: Path, name: str) -> Tokenizer:
     meta, config = {}, {}
     if path.name == TOKENIZER_FILE:
         # Side files: our cache's metadata, a datastore's manifest, a model folder's config.
-        meta = _read_json(path.parent / "sssd_tokenizer.json") or _read_json(path.parent / "manifest.json").get("tokenizer") or {}
-        config = _read_json(path.parent / "tokenizer_config.json")
+        meta = read_json_dict(path.parent / "sssd_tokenizer.json") or read_json_dict(path.parent / "manifest.json").get("tokenizer") or {}
+        config = read_json_dict(path.parent / "tokenizer_config.json")
     eos = meta.get("eos_token_id")
     if eos is None and isinstance(config.get("eos_token"), str):
         eos = backend.token_to_id(config["eos_token"])
@@ -193,7 +194,7 @@ def _from_gguf(path: Path) -> Tokenizer:
     """Converts a GGUF file's tokenizer with transformers, once; then loads the cached json."""
     from sssd.paths import cache_dir
 
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     target = cache_dir() / "tokenizers" / f"gguf-{digest}"
     if not (target / TOKENIZER_FILE).is_file():
         hf = _transformers_tokenizer(path.parent, gguf_file=path.name, spec=path)
@@ -269,22 +270,6 @@ def _is_gguf(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _first_line(e: BaseException) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 
 from sssd.cli import command
@@ -52,10 +51,8 @@ def _check_file(path: Path, info: dict) -> str:
     size = path.stat().st_size
     if "bytes" in info and size != info["bytes"]:
         return f"size {size:,} bytes, the manifest says {info['bytes']:,}"
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    if h.hexdigest() != info.get("sha256"):
+    from sssd.files import file_sha256
+
+    if file_sha256(path) != info.get("sha256"):
         return "checksum mismatch (the file was modified or corrupted)"
     return "OK"
