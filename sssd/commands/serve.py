@@ -65,8 +65,6 @@ def setup(p: argparse.ArgumentParser):
                               threads=args.threads)
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
         engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config)
-        if engine.drafter is not None and engine.drafter.datastore is not None:
-            engine.drafter.datastore.warm()
         name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
         planner = engine.planner
         if not speculate:
