@@ -31,7 +31,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, Recorder, machine  # noqa: E402
 
-import sssd  # noqa: E402
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from sssd.serving.params import SamplingParams  # noqa: E402
 
@@ -46,9 +45,8 @@ def load_prompts(dataset: str, n: int):
     return [r.messages for r in eval_part[:n]]
 
 
-def run(engine: LLMEngine, prompts, batch: int, max_tokens: int):
-    """Generates every prompt with at most `batch` running at once; returns outputs and seconds."""
-    engine.config = engine.config  # frozen dataclass: the slot count is the engine's max_running
+def run(engine: LLMEngine, prompts, max_tokens: int):
+    """Generates every prompt (at most engine.config.max_running at once); returns outputs and seconds."""
     params = SamplingParams(max_tokens=max_tokens)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -124,8 +122,8 @@ def main() -> int:
                 spec_cfg = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})
                 plain_cfg = plain.config.__class__(**{**plain.config.__dict__, "max_running": B})
                 spec.config, plain.config = spec_cfg, plain_cfg  # caps admission at B running requests
-                so, st = run(spec, prompts, B, args.max_tokens)
-                po, pt = run(plain, prompts, B, args.max_tokens)
+                so, st = run(spec, prompts, args.max_tokens)
+                po, pt = run(plain, prompts, args.max_tokens)
                 s, p = summarize(so, st), summarize(po, pt)
                 same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
                 budgets = dict(sorted(spec.metrics.budgets.items()))

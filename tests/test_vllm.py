@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-import sssd
 from sssd.serving.vllm_proposer import SSSDProposer, chain_length
 
 ROOT = Path(__file__).resolve().parents[1]
