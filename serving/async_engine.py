@@ -93,8 +93,16 @@ class AsyncEngine:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
-        rid = await self._call(self.engine.add_request, prompt, params)
-        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+
+        def add_and_register() -> int:
+            # Under the engine lock, so that no step can produce this request's first
+            # output before its stream exists (that output would be dropped).
+            rid = self.engine.add_request(prompt, params)
+            self._streams[rid] = (loop, queue)
+            return rid
+
+        rid = await self._call(add_and_register)
         self._wakeup.set()
         return rid, queue
 

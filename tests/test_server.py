@@ -266,3 +266,34 @@ def test_load_32_streaming_clients_identical_to_plain_and_no_growth(model):
         assert s.engine.metrics.num_accepted_tokens > 0  # speculation ran, and changed nothing
     finally:
         s.stop()
+
+
+def test_first_output_is_not_lost_when_the_engine_steps_before_the_stream_is_read(model):
+    """The engine thread may step right after a request is added, before the request's
+    coroutine resumes: that step's output (the first token) must still reach the stream."""
+    import asyncio
+
+    engine = LLMEngine(model, datastore=None, config=EngineConfig(budget=4, max_model_len=256))
+    ae = AsyncEngine(engine)
+    original = ae._call
+
+    async def engine_wins_the_race(fn, *args):
+        res = await original(fn, *args)
+        with ae._lock:
+            outs = engine.step()  # what the engine thread would do before we resume
+        for out in outs:
+            ae._deliver(out)
+        return res
+
+    ae._call = engine_wins_the_race
+    want = offline(model, PROMPT, max_tokens=10, ignore_eos=True).text
+
+    async def main():
+        ae.start()
+        try:
+            return "".join([o.new_text async for o in ae.generate(PROMPT, SamplingParams(max_tokens=10,
+                                                                                          ignore_eos=True))])
+        finally:
+            await ae.shutdown(grace=5)
+
+    assert asyncio.run(main()) == want
