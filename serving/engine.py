@@ -17,6 +17,7 @@ The KV pool keeps decoding requests in slots [0, d) and prefilling ones in
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -428,15 +429,28 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids
         new_ids = ids[len(ids) - req.new_token_count :] if req.new_token_count else []
-        prev_text = req.text
         req.text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
-        # Streaming clients get the text added since the last output (a tokenizer may
-        # rewrite the tail when more tokens arrive; then the whole text is resent).
-        new_text = req.text[len(prev_text):] if req.text.startswith(prev_text) else req.text
+        new_text = _stream_delta(req)
         req.new_token_count = 0
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "finish": req.finish_time}
         return RequestOutput(req.id, list(req.prompt_ids), list(ids), req.text, req.finished, req.finish_reason,
                              new_ids, new_text, req.stats.as_dict(), metrics)
+
+
+def _stream_delta(req: Request) -> str:
+    """The text to stream since the last output. While the request runs, a trailing U+FFFD is
+    held back: it is an incomplete UTF-8 sequence (a multi-byte character split across byte
+    tokens) that the next token completes. Should a tokenizer still rewrite text already sent,
+    only what follows the common prefix is sent (a client cannot take text back)."""
+    stable = req.text if req.finished else req.text.rstrip("\ufffd")
+    sent = req.sent_text
+    if stable.startswith(sent):
+        delta = stable[len(sent):]
+    else:
+        common = len(os.path.commonprefix([sent, stable]))
+        delta = stable[common:]
+    req.sent_text = stable
+    return delta
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -51,6 +51,7 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     text: str = ""                                    # output text so far (stop strings applied)
+    sent_text: str = ""                               # the part of it streamed to the client so far
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
     first_token_time: float | None = None

@@ -264,3 +264,30 @@ def test_llm_api_shape(llama):
     assert set(outs[0].stats) >= {"steps", "accepted", "tokens_per_step", "accepted_per_step", "accepted_by_source"}
     plain = sssd.LLM(llama, speculate=False, max_model_len=128).generate(PROMPTS[0], sssd.SamplingParams(max_tokens=5))
     assert plain[0].token_ids == outs[0].token_ids
+
+
+def test_streamed_text_survives_characters_split_across_byte_tokens():
+    """A byte-level tokenizer splits '🌊' and '海' into several tokens; decoding a prefix
+    ends in U+FFFD until the character completes. The streamed deltas must add up to the
+    final text (before, the whole text was resent each time)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from sssd.serving.engine import _stream_delta
+
+    alphabet = ByteLevel.alphabet()  # one token per byte: every multi-byte character is split
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "Ocean 🌊 waves, 海の波 and café"
+    ids = tok.encode(text).ids
+    assert len(ids) > len(text)  # characters really are split
+    req = SimpleNamespace(text="", sent_text="", finished=False)
+    streamed = []
+    for n in range(1, len(ids) + 1):
+        req.text, req.finished = tok.decode(ids[:n]), n == len(ids)
+        streamed.append(_stream_delta(req))
+    assert "".join(streamed) == text
+    assert not any("\ufffd" in d for d in streamed)
