@@ -175,31 +175,26 @@ def prompt_ids(tokenizer: Any, messages: Sequence[dict], chat_template: bool = T
 
 def greedy_generate(model: Any, prompt: Sequence[int], max_new_tokens: int,
                     stop: Sequence[int] = ()) -> tuple[list[int], str]:
-    """Plain greedy decoding, batch 1, with the KV cache.
+    """Plain greedy decoding, batch 1, by transformers' own ``generate`` (the reference engine;
+    its public API, so no dependence on how a model's forward names its cache).
 
     Returns:
         (output ids, "eos" if it stopped on a token in ``stop``, which is included, else "length").
     """
     import torch
+    from transformers import GenerationConfig
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if len(prompt) == 0:
         raise ValueError("empty prompt")
-    stops = {int(s) for s in stop}
-    out: list[int] = []
+    stops = sorted({int(s) for s in stop})
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
+                              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
     with torch.no_grad():
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        past = None
-        for _ in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            if nxt in stops:
-                return out, "eos"
-            ids = torch.tensor([[nxt]], dtype=torch.long)
-    return out, "length"
+        seq = model.generate(torch.tensor([list(prompt)], dtype=torch.long), generation_config=config)
+    out = seq[0, len(prompt):].tolist()
+    return out, "eos" if out and out[-1] in stops else "length"
 
 
 # -- files ---------------------------------------------------------------------

@@ -74,30 +74,3 @@ class KVPool:
                 tmp = t[a, :, :length].clone()
                 t[a, :, :length] = t[b, :, :length]
                 t[b, :, :length] = tmp
-
-
-class StepCache:
-    """The `past_key_values` handed to a Hugging Face model for one forward pass.
-
-    Each attention layer calls update(k, v, layer): the new keys go into the
-    pool at this step's positions and the layer attends over the pool's
-    slice of this step's slots (its mask says which positions each query
-    sees). Only what the HF layers call is implemented.
-    """
-
-    is_compileable = False
-
-    def __init__(self, pool: KVPool, rows: slice, positions: torch.Tensor, length: int):
-        self.pool, self.rows, self.length = pool, rows, length
-        self.index = pool.flat_index(rows, positions)  # the same for every layer
-        self.layers = []  # HF inspects this to find sliding layers; ours are described by the mask
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.pool.write(layer_idx, self.index, key_states, value_states)
-        return self.pool.view(layer_idx, self.rows, self.length)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, *args, **kwargs):
-        return self.length, 0

@@ -4,10 +4,11 @@ One call runs one forward pass for a group of requests (rows of the KV
 pool): row b feeds T tokens at explicit positions with an explicit mask
 (each tree node sees the request's cached context and its own ancestors;
 a prefill chunk is a chain). The model's own layers do everything else
-(projections, rotary embeddings, norms, MLPs), through its "sdpa" attention
-with our 4D mask and our KV pool as `past_key_values`; so any architecture
-whose HF implementation follows the standard layer structure works (Llama,
-Qwen2, Gemma3 are tested).
+(projections, rotary embeddings, norms, MLPs); attention is ours
+(attention.py): it reads and writes the KV pool directly, so no cache object
+crosses the model's forward signature. Any architecture whose HF
+implementation dispatches attention through transformers' AttentionInterface
+works (Llama, Qwen2, Gemma3 are tested).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from sssd.serving.kv_cache import KVPool, PoolShape, StepCache
+from sssd.serving import attention
+from sssd.serving.kv_cache import KVPool, PoolShape
 from sssd.serving.verify import Packed
 
 
@@ -72,7 +74,7 @@ class ModelRunner:
         self.dtype = getattr(torch, dtype)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, attn_implementation="sdpa", local_files_only=True
+                path, dtype=self.dtype, attn_implementation=attention.register(), local_files_only=True
             ).to(self.device)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{path}: cannot load it as a causal language model ({str(e).splitlines()[0]})") from e
@@ -125,8 +127,9 @@ class ModelRunner:
             if self.info.sliding_window:
                 near = packed.positions[:, :, None] - packed.kv_positions[:, None, :] < self.info.sliding_window
                 mask["sliding_attention"] = full & torch.from_numpy(near).to(dev)[:, None]
-        cache = StepCache(pool, rows, torch.from_numpy(packed.writes).to(dev), packed.visible.shape[2])
-        out = self.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = attention.PoolStep(pool, rows, torch.from_numpy(packed.writes).to(dev), packed.visible.shape[2])
+        out = self.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False,
+                               **{attention.STEP_KWARG: step})
         return out.last_hidden_state
 
     @torch.inference_mode()
