@@ -5,18 +5,23 @@ thread that owns the LLMEngine; the asyncio front end submits requests and
 receives each request's outputs through an asyncio.Queue. A request whose
 consumer goes away (client disconnect, timeout, cancellation) is aborted,
 which frees its KV slot and drafter state.
+
+Prompts are tokenized (and chat templates applied) on executor threads with
+the front end's own copy of the tokenizer, outside the engine lock: a huge
+prompt never holds up the running streams' steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from sssd.serving.engine import LLMEngine, RequestOutput
+from sssd.serving.engine import LLMEngine, RequestOutput, encode_prompt
 from sssd.serving.params import SamplingParams
 
 log = logging.getLogger("sssd.serving")
@@ -35,7 +40,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="sssd-engine", daemon=True)
         self._stop = threading.Event()
         self._aborts: deque[int] = deque()    # requests to cancel, drained by the engine thread
+        self._tokenizer = copy.deepcopy(engine.tokenizer)  # the front end's own (fast tokenizers are not shareable)
+        self._tokenizer_lock = threading.Lock()
+        self._shutdown: asyncio.Task | None = None
         self.accepting = True
+        self.drained: dict | None = None  # after shutdown: requests in flight, and those cut off
         self.errors = 0
         self.started = time.time()
 
@@ -56,17 +65,17 @@ class AsyncEngine:
             try:
                 with self._lock:
                     outputs = self.engine.step()
-            except Exception:  # noqa: BLE001 - keep serving: fail the requests in flight, not the server
-                log.exception("engine step failed; aborting the running requests")
+            except Exception as e:  # noqa: BLE001 - keep serving: fail the requests in flight, not the server
+                log.exception("engine step failed; failing the requests in flight")
                 self.errors += 1
-                outputs = self._abort_all("error")
+                outputs = self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
 
-    def _abort_all(self, reason: str) -> list[RequestOutput]:
+    def _abort_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
         with self._lock:
             for rid in list(self.engine.requests):
-                self.engine.abort(rid, reason)
+                self.engine.abort(rid, reason, error=error)
             return self.engine.collect_outputs()
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -88,17 +97,27 @@ class AsyncEngine:
 
         return await asyncio.get_running_loop().run_in_executor(None, locked)
 
-    async def add(self, prompt, params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queues a request; raises ValueError (bad request), OverflowError (queue full), ShuttingDown."""
+    async def add(self, prompt, params: SamplingParams, clip_max_tokens: bool = True) -> tuple[int, asyncio.Queue]:
+        """Queues a request; raises ValueError (bad request; ContextLengthExceeded when it does
+        not fit), OverflowError (queue full), ShuttingDown."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        limit = self.engine.max_prompt_tokens
+
+        def tokenize() -> list[int]:
+            with self._tokenizer_lock:
+                return encode_prompt(self._tokenizer, prompt, limit)
+
+        ids = await loop.run_in_executor(None, tokenize)
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
 
         def add_and_register() -> int:
             # Under the engine lock, so that no step can produce this request's first
             # output before its stream exists (that output would be dropped).
-            rid = self.engine.add_request(prompt, params)
+            rid = self.engine.add_request(ids, params, clip_max_tokens=clip_max_tokens)
             self._streams[rid] = (loop, queue)
             return rid
 
@@ -146,16 +165,29 @@ class AsyncEngine:
         return self.engine.num_running
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Stops admitting, lets running requests finish for up to `grace` seconds, aborts the rest."""
+        """Stops admitting, lets running requests finish for up to `grace` seconds, then ends
+        the rest with finish_reason "shutdown" (streams get an error event). Idempotent: a
+        second call waits for the first."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._drain(grace))
+        await asyncio.shield(self._shutdown)
+
+    async def _drain(self, grace: float) -> None:
         self.accepting = False
         deadline = time.monotonic() + grace
+        with self._lock:
+            running = len(self.engine.requests)
         while time.monotonic() < deadline:
             with self._lock:
                 if not self.engine.has_unfinished():
                     break
             await asyncio.sleep(0.05)
-        for out in self._abort_all("abort"):
+        cut = self._abort_all("shutdown")
+        for out in cut:
             self._deliver(out)
         self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout=5)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
+        self.drained = {"running": running, "cut": len(cut)}
+        log.info("engine stopped: %d requests were in flight, %d finished in the %.0f s drain, %d were cut off",
+                 running, running - len(cut), grace, len(cut))

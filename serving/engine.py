@@ -17,6 +17,8 @@ The KV pool keeps decoding requests in slots [0, d) and prefilling ones in
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import os
 import time
 from collections import deque
@@ -49,6 +51,7 @@ class EngineConfig:
         budget: fixed draft budget; None lets the planner choose per step
             (planner.py), which falls back to no speculation where it would not pay.
         dtype / device / threads: how the model runs.
+        reprofile: measure the planner's forward-time profile again instead of using the cached one.
     """
 
     max_running: int = 32
@@ -60,6 +63,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str | None = None
     threads: int | None = None
+    reprofile: bool = False
 
     def __post_init__(self):
         for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
@@ -83,6 +87,21 @@ class RequestOutput:
     new_text: str = ""
     stats: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # the reason, when finish_reason is "error"
+
+
+log = logging.getLogger("sssd.serving")
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt (or the prompt plus max_tokens) does not fit in the model's context."""
+
+
+#: Request ids are 63-bit non-negative ints everywhere (the API, the engine, the drafter).
+MAX_REQUEST_ID = 2**63 - 1
+#: Prompts longer than this many characters per servable token are judged on a prefix first
+#: (tokenizing megabytes only to refuse them would stall the caller for seconds).
+PROBE_CHARS_PER_TOKEN = 8
 
 
 def _log(msg: str) -> None:
@@ -126,6 +145,10 @@ class LLMEngine:
                 from sssd.tokenizer import check_compatible
 
                 check_compatible(ds, path)
+            if ds is not None and int(ds.manifest.get("vocab_size", 0)) > info.vocab_size:
+                raise ValueError(f"the datastore {ds.path} holds token ids up to {int(ds.manifest['vocab_size']) - 1}, "
+                                 f"beyond the model's vocabulary ({info.vocab_size} ids): it was built with another "
+                                 f"tokenizer; rebuild it with the model's (sssd build -t {path})")
             self.drafter = sssd.Drafter(ds, dcfg.replace(use_datastore=ds is not None))
             if ds is not None:
                 ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
@@ -142,14 +165,22 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None,
-                    request_id: int | None = None) -> int:
+                    request_id: int | None = None, *, clip_max_tokens: bool = True) -> int:
         """Queues a request: a text, token ids, or chat messages (chat template applied).
 
+        Args:
+            clip_max_tokens: lower max_tokens to what fits beside the prompt (else refuse it).
+
         Raises:
-            ValueError: empty or oversize prompt, unknown token ids, bad parameters.
+            ValueError: empty or oversize prompt, unknown token ids, bad parameters or request id.
             OverflowError: the waiting queue is full (retry later).
         """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
+                                       or not 0 <= int(request_id) <= MAX_REQUEST_ID):
+            raise ValueError(f"request_id must be an int in [0, 2^63), got {request_id!r}")
         if len(self.waiting) >= self.config.max_waiting:
             raise OverflowError(f"the queue is full ({self.config.max_waiting} waiting requests)")
         ids = self.encode(prompt)
@@ -160,37 +191,44 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary ({self.runner.info.vocab_size})")
         room = self.max_model_len - len(ids) - self._max_tree()
         if room < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this engine serves at most "
-                             f"{self.max_model_len - self._max_tree() - 1} (max_model_len {self.max_model_len})")
+            raise ContextLengthExceeded(f"the prompt has {len(ids)} tokens; this engine serves at most "
+                             f"{self.max_prompt_tokens} (max_model_len {self.max_model_len})")
         if params.max_tokens > room:
+            if not clip_max_tokens:
+                raise ContextLengthExceeded(f"max_tokens {params.max_tokens} does not fit: the prompt has {len(ids)} tokens and "
+                                 f"this engine serves at most {self.max_model_len - self._max_tree()} in all "
+                                 f"(max_model_len {self.max_model_len}); ask for at most {room}")
             params = _replace(params, max_tokens=room)
-        rid = next(self._ids) if request_id is None else int(request_id)
+        rid = self._new_id() if request_id is None else int(request_id)
         if rid in self.requests:
             raise ValueError(f"request id {rid} is already in use")
         req = Request(rid, list(ids), params, time.monotonic())
         if params.seed is not None:
-            req.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+            req.generator = torch.Generator(device="cpu").manual_seed(params.seed % 2**64)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
 
-    def encode(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        prompt = list(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
-        return [int(t) for t in prompt]
+    def _new_id(self) -> int:
+        rid = next(self._ids)
+        while rid in self.requests:  # skip ids a caller chose explicitly
+            rid = next(self._ids)
+        return rid
 
-    def abort(self, request_id: int, reason: str = "abort") -> bool:
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this engine serves (room left for one output token and a draft tree)."""
+        return self.max_model_len - self._max_tree() - 1
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.max_prompt_tokens)
+
+    def abort(self, request_id: int, reason: str = "abort", error: str | None = None) -> bool:
         """Cancels a request and frees its slot; False if it is unknown or done."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        self._finish(req, reason)
+        self._finish(req, reason, error=error)
         return True
 
     def has_unfinished(self) -> bool:
@@ -213,7 +251,15 @@ class LLMEngine:
 
     def collect_outputs(self) -> list[RequestOutput]:
         """Outputs of the requests with news (tokens, or finished); finished ones are then forgotten."""
-        outputs = [self._output(r) for r in self.requests.values() if r.new_token_count or r.finished]
+        outputs = []
+        for r in [r for r in self.requests.values() if r.new_token_count or r.finished]:
+            try:
+                outputs.append(self._output(r))
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode this output
+                log.exception("request %s: its output could not be built", r.id)
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                outputs.append(RequestOutput(r.id, list(r.prompt_ids), r.output_ids, r.sent_text, True, "error",
+                                             stats=r.stats.as_dict(), error=r.error))
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
@@ -234,12 +280,14 @@ class LLMEngine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(pending), desc="generating", unit="req")
+        mine: set[int] = set()
         while pending or len(done) < len(ids):
             # feed the queue as it drains, so any number of prompts fits max_waiting
             while pending and len(self.waiting) < self.config.max_waiting:
                 ids.append(self.add_request(*pending.pop()))
+                mine.add(ids[-1])
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in mine:  # other callers' requests may run beside these
                     done[out.request_id] = out
                     if bar:
                         bar.update(1)
@@ -268,9 +316,20 @@ class LLMEngine:
             req.status = Status.PREFILL
             self.slots.append(req)
             if self.drafter is not None:
-                self.drafter.open(req.id, req.prompt_ids)
+                self._open_draft(req)
             if req.prompt_len == 1:
                 self._promote(req)
+
+    def _open_draft(self, req: Request, tokens: Sequence[int] | None = None) -> None:
+        """(Re)opens the request's drafter state; on failure it decodes without drafts."""
+        try:
+            if req.id in self.drafter:
+                self.drafter.close(req.id)
+            self.drafter.open(req.id, req.prompt_ids if tokens is None else tokens)
+            req.draft = True
+        except Exception as e:  # noqa: BLE001 - drafting is an optimisation: never fail the request over it
+            log.warning("request %s: drafting disabled (%s)", req.id, e)
+            req.draft = False
 
     def _promote(self, req: Request) -> None:
         self._swap(req.slot, self.num_decode)
@@ -289,17 +348,21 @@ class LLMEngine:
         self.slots.pop()
         req.slot = -1
 
-    def _finish(self, req: Request, reason: str, retire: bool = True) -> None:
+    def _finish(self, req: Request, reason: str, retire: bool = True, error: str | None = None) -> None:
         """Marks a request finished; frees its slot now, or later if `retire` is False
         (during a decode step, slots must not move before every row is processed)."""
         if req.finished:
             return
+        req.error = error
         if req in self.waiting:
             self.waiting.remove(req)
         if retire:
             self._retire(req)
         if self.drafter is not None and req.id in self.drafter:
-            self.drafter.close(req.id)
+            try:
+                self.drafter.close(req.id)
+            except Exception as e:  # noqa: BLE001
+                log.warning("request %s: closing its drafter state failed (%s)", req.id, e)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
@@ -331,15 +394,19 @@ class LLMEngine:
 
     # -- decode --------------------------------------------------------------------------
     def _decode(self) -> None:
+        """One speculative step for every decoding request.
+
+        Shared work (the forward pass) failing fails the step; a failure that
+        belongs to one request (its draft, its sampling, its stop check) finishes
+        that request with an error and the others go on; a drafter failure only
+        costs that step's drafts.
+        """
         reqs = self.slots[: self.num_decode]
         B = len(reqs)
         budget = self.planner.budget(B) if self.drafter is not None else 0
-        budgets = np.array([budget if r.params.speculate else 0 for r in reqs], dtype=np.int32)
+        budgets = np.array([budget if r.params.speculate and r.draft else 0 for r in reqs], dtype=np.int32)
         t0 = time.perf_counter()
-        trees: list[sssd.DraftTree | None] = [None] * B
-        if budgets.any():
-            batch = self.drafter.draft([r.id for r in reqs], budgets)
-            trees = [batch[b] if budgets[b] else None for b in range(B)]
+        trees = self._draft(reqs, budgets)
         t_draft = time.perf_counter() - t0
         packed = pack_trees([r.tokens[-1] for r in reqs], [r.cached for r in reqs], trees)
         hidden = self.runner.forward(self.pool, slice(0, B), packed)
@@ -353,45 +420,88 @@ class LLMEngine:
         argmax = logits.argmax(dim=-1).cpu().numpy() if greedy_rows else None
         t_forward = time.perf_counter() - t0 - t_draft
         emitted: dict[int, list[int]] = {}
+        accepted = []
         for b, req in enumerate(reqs):
-            tree, children = trees[b], children_of(trees[b])
-            lo = int(offsets[b])
-            if req.params.greedy:
-                path, bonus = greedy_walk(argmax[lo : lo + sizes[b]], children)
-            else:
-                p = req.params
-                path, bonus = sample_walk(lambda i, lo=lo: logits[lo + i], children, p.temperature, p.top_k, p.top_p,
-                                          req.generator)
-            a = len(path)
-            if a and path != list(range(1, a + 1)):
-                src = torch.tensor(path, dtype=torch.long) + req.cached
-                dst = torch.arange(1, a + 1, dtype=torch.long) + req.cached
-                self.pool.move(req.slot, src.to(self.runner.device), dst.to(self.runner.device))
-                self.metrics.kv_moves += 1
-            req.cached += 1 + a
-            new = [int(packed.tokens[b, i]) for i in path] + [bonus]
-            st = req.stats
-            st.steps += 1
-            st.drafted += int(sizes[b] - 1)
-            st.accepted += a
-            st.accepted_per_step.append(a)
-            st.budgets.append(int(budgets[b]))
-            for i in path:
-                name = SOURCE_NAMES[int(tree.sources[i - 1])]
-                st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
-                self.metrics.accepted_by_source[name] = self.metrics.accepted_by_source.get(name, 0) + 1
-            emitted[req.id] = self._emit(req, new)
+            try:
+                a = self._accept(req, b, trees[b], packed, logits, argmax, offsets, budgets)
+                emitted[req.id] = self._emit(req, req.tokens_pending)
+            except Exception as e:  # noqa: BLE001 - this request's failure is this request's alone
+                log.exception("request %s failed in its decode step", req.id)
+                self._finish(req, "error", retire=False, error=f"{type(e).__name__}: {e}")
+                a = 0
+            accepted.append(a)
         for req in reqs:  # slots move only now that every row is done
             if req.finished:
                 self._retire(req)
         n_emitted = sum(len(v) for v in emitted.values())
         self.metrics.decode_step(B, int(packed.sizes.sum()), int(budgets.max()) if B else 0, t_draft, t_forward,
-                                 n_emitted, [r.stats.accepted_per_step[-1] for r in reqs])
+                                 n_emitted, accepted)
         if self.drafter is not None:
-            live = [(rid, toks) for rid, toks in emitted.items() if not self.requests[rid].finished and toks]
+            live = [(rid, toks) for rid, toks in emitted.items()
+                    if toks and not self.requests[rid].finished and self.requests[rid].draft]
             if live:
-                self.drafter.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
+                try:
+                    self.drafter.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
+                except Exception as e:  # noqa: BLE001 - rebuild each state from the request's own tokens
+                    log.warning("drafter update failed (%s); reopening the requests' drafter states", e)
+                    for rid, _ in live:
+                        self._open_draft(self.requests[rid], self.requests[rid].tokens)
         self.planner.observe(B, budget, time.perf_counter() - t0, n_emitted)  # the whole step, as the client sees it
+
+    def _draft(self, reqs: list[Request], budgets: np.ndarray) -> list[sssd.DraftTree | None]:
+        """Each request's draft tree (None: none). A drafter failure, or a tree holding ids the
+        model does not know, costs only drafts: those rows decode plainly this step."""
+        trees: list[sssd.DraftTree | None] = [None] * len(reqs)
+        if not budgets.any():
+            return trees
+        try:
+            batch = self.drafter.draft([r.id for r in reqs], budgets)
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafting failed for this step (%s); decoding without drafts", e)
+            return trees
+        vocab = self.runner.info.vocab_size
+        for b in range(len(reqs)):
+            if budgets[b]:
+                tree = batch[b]
+                if len(tree) and int(tree.tokens.max()) >= vocab:
+                    log.warning("request %s: the draft holds token id %d outside the model's vocabulary (%d); "
+                                "dropped", reqs[b].id, int(tree.tokens.max()), vocab)
+                    continue
+                trees[b] = tree
+        return trees
+
+    def _accept(self, req: Request, b: int, tree: sssd.DraftTree | None, packed, logits: torch.Tensor,
+                argmax: np.ndarray | None, offsets: np.ndarray, budgets: np.ndarray) -> int:
+        """Verifies row b's tree: moves the accepted path's K/V into place, records the
+        tokens to emit (req.tokens_pending) and the statistics; returns the accepted count."""
+        children = children_of(tree)
+        size = int(packed.sizes[b])
+        lo = int(offsets[b])
+        if req.params.greedy:
+            path, bonus = greedy_walk(argmax[lo : lo + size], children)
+        else:
+            p = req.params
+            path, bonus = sample_walk(lambda i: logits[lo + i], children, p.temperature, p.top_k, p.top_p,
+                                      req.generator)
+        a = len(path)
+        if a and path != list(range(1, a + 1)):
+            src = torch.tensor(path, dtype=torch.long) + req.cached
+            dst = torch.arange(1, a + 1, dtype=torch.long) + req.cached
+            self.pool.move(req.slot, src.to(self.runner.device), dst.to(self.runner.device))
+            self.metrics.kv_moves += 1
+        req.cached += 1 + a
+        req.tokens_pending = [int(packed.tokens[b, i]) for i in path] + [bonus]
+        st = req.stats
+        st.steps += 1
+        st.drafted += size - 1
+        st.accepted += a
+        st.accepted_per_step.append(a)
+        st.budgets.append(int(budgets[b]))
+        for i in path:
+            name = SOURCE_NAMES[int(tree.sources[i - 1])]
+            st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
+            self.metrics.accepted_by_source[name] = self.metrics.accepted_by_source.get(name, 0) + 1
+        return a
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Appends tokens one by one, honouring stop conditions; returns those kept."""
@@ -434,7 +544,7 @@ class LLMEngine:
         req.new_token_count = 0
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "finish": req.finish_time}
         return RequestOutput(req.id, list(req.prompt_ids), list(ids), req.text, req.finished, req.finish_reason,
-                             new_ids, new_text, req.stats.as_dict(), metrics)
+                             new_ids, new_text, req.stats.as_dict(), metrics, req.error)
 
 
 def _stream_delta(req: Request) -> str:
@@ -451,6 +561,56 @@ def _stream_delta(req: Request) -> str:
         delta = stable[common:]
     req.sent_text = stable
     return delta
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], limit: int | None = None) -> list[int]:
+    """Token ids of a prompt: a text, token ids, or chat messages (the chat template applied).
+
+    A text (or conversation) far longer than `limit` tokens could be is refused after
+    tokenizing a prefix only: its prefix's token count (less a margin for the last word)
+    is a lower bound on the whole text's. Megabytes are thus refused in milliseconds.
+
+    Raises:
+        ValueError: a malformed prompt, or one certainly longer than `limit` tokens.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            return []
+        if limit is not None:
+            _probe(limit, [len(prompt)], lambda cut: tokenizer.encode(prompt[:cut], add_special_tokens=False))
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    if isinstance(prompt, (bytes, dict)):
+        raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+    prompt = list(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+                raise ValueError("a chat message is {'role': str, 'content': str}")
+
+        def chat(cut: int | None = None) -> list[int]:
+            msgs = [dict(m, content=m.get("content", "")[:cut]) if cut else m for m in prompt]
+            out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+        if limit is not None:
+            _probe(limit, [len(m.get("content", "")) for m in prompt], chat)
+        return chat()
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+    return [int(t) for t in prompt]
+
+
+def _probe(limit: int, lengths: list[int], encode_prefix) -> None:
+    """Refuses a prompt whose pieces (the text, or each message) cut to their first `cut`
+    characters already exceed `limit` tokens, less a margin per cut piece for its last word."""
+    cut = (limit + 64) * PROBE_CHARS_PER_TOKEN
+    cuts = sum(n > cut for n in lengths)
+    if cuts:
+        margin = 64 * cuts
+        n = len(encode_prefix(cut))
+        if n > limit + margin:
+            raise ContextLengthExceeded(f"the prompt has more than {n - margin} tokens; "
+                                        f"this engine serves at most {limit}")
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -59,6 +59,9 @@ class Request:
     new_token_count: int = 0                          # tokens added since the last output report
     stop_check_from: int = 0                          # output text offset already searched for stops
     stop_text: str | None = None                      # the output text cut at a stop string
+    error: str | None = None                          # why it finished with "error"
+    draft: bool = True                                # the drafter holds this request's state
+    tokens_pending: list[int] = field(default_factory=list)  # accepted this step, not yet emitted
 
     def __post_init__(self):
         if not self.tokens:

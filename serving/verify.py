@@ -125,6 +125,8 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         sorted_p = sorted_p.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         probs = probs / probs.sum()
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the sampling distribution is not finite (NaN or infinite logits)")
     return probs
 
 
