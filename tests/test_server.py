@@ -33,11 +33,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, api_key=None, **cfg):
+    def __init__(self, model, api_key=None, app_options=None, **cfg):
         cfg.setdefault("max_model_len", 256)
         self.engine = LLMEngine(model, datastore=None, config=EngineConfig(budget=4, **cfg))
         self.port = free_port()
-        app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, request_timeout=cfg.pop("timeout", 60))
+        app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, request_timeout=cfg.pop("timeout", 60),
+                         **(app_options or {}))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -138,8 +139,13 @@ def test_bad_requests_get_openai_errors(server):
     assert r.status_code == 400
     r = raw.post("/v1/completions", json={"prompt": "w1 " * 400, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    # huge max_tokens is clipped to what fits, not refused
+    # an explicit max_tokens that cannot fit is refused (as OpenAI and vLLM do), saying what fits
     r = raw.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10**9, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "ask for at most" in r.json()["error"]["message"]
+    # without one, the default is lowered to what fits
+    r = raw.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True},
+                 timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     assert raw.get("/health").json()["status"] == "ok"  # still serving
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 import sys
+from pathlib import Path
 
 from sssd.cli import command
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @command("serve", help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
@@ -14,76 +19,165 @@ from sssd.cli import command
 def setup(p: argparse.ArgumentParser):
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="model name (`sssd models list`; pulled on first use) or a local Hugging Face model folder")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the model's name)")
     p.add_argument("--datastore", default="default",
                    help="datastore directory, 'default' (built on first use), or 'none' (draft from prompts only)")
     p.add_argument("--drafter", default="default",
                    help="drafter config or `sssd calibrate` parameter file ('default': the packaged calibration "
                         "for the default model when serving it, else the built-in defaults)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; the default serves this machine only (see SECURITY.md before exposing it)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
     p.add_argument("--api-key", default=os.environ.get("SSSD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SSSD_API_KEY; none: open)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $SSSD_API_KEY if set, else no key)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, serve /metrics without the key too (for a Prometheus scraper)")
     p.add_argument("--max-running", type=int, default=32, help="requests decoded concurrently (KV slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="tokens per request (prompt + output)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    p.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: chosen per batch size)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="fixed draft budget (default: the planner chooses per batch size)")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure the forward-time profile the planner uses again, replacing the cached one "
+                        "(do it on a quiet machine)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA when available)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are cut off")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="largest request body accepted (413 above)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the model's weights and activations (float32: outputs identical to plain decoding)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
-        import logging
-
-        import uvicorn
-
-        from sssd.serving.api_server import create_app
-
-        GracefulServer = _graceful_server_class()
-        from sssd.serving.async_engine import AsyncEngine
-        from sssd.serving.engine import EngineConfig, LLMEngine
-
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        speculate = not args.no_speculate
-        datastore = None if args.datastore == "none" else args.datastore
-        if speculate and datastore == "default":
-            from sssd.commands.draft import ensure_default_datastore
-
-            ensure_default_datastore()
-        drafter = args.drafter
-        if drafter == "default":
-            from sssd.paths import packaged_calibration
-
-            drafter = packaged_calibration(args.model, args.datastore)
-        config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                              speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
-                              threads=args.threads)
-        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config)
-        name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
-        planner = engine.planner
-        if not speculate:
-            mode = "off"
-        elif planner.fixed is not None:
-            mode = f"budget {planner.fixed}"
-        else:
-            rows = planner.table((1, 4, 16, args.max_running))
-            mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
-        print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.runner.device}, {args.dtype}); "
-              f"speculation: {mode}", file=sys.stderr, flush=True)
-        app = create_app(AsyncEngine(engine), name, api_key=args.api_key, request_timeout=args.request_timeout,
-                         max_tokens_default=args.max_tokens)
-        GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                      timeout_graceful_shutdown=30)).run()
-        print("server stopped", file=sys.stderr)
-        return 0
+        validate(args)  # everything that can be checked before the model loads
+        return _serve(args)
 
     return run
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Refuses bad arguments with one clear message (ValueError), before anything loads."""
+    from sssd import _core
+
+    def positive(name: str) -> None:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1-65535, got {args.port}")
+    for name in ("max_running", "max_model_len", "max_waiting", "max_tokens", "threads", "max_body_bytes"):
+        positive(name)
+    if args.budget is not None and not 0 <= args.budget <= int(_core.MAX_BUDGET):
+        raise ValueError(f"--budget must be in 0-{int(_core.MAX_BUDGET)}, got {args.budget}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (unset SSSD_API_KEY or give a key)")
+    model = Path(args.model).expanduser()
+    if model.exists() or os.sep in args.model:
+        if not (model / "config.json").is_file():
+            raise ValueError(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
+    else:
+        from sssd.models import get_spec
+
+        get_spec(args.model)  # ValueError listing the registered models
+    if args.datastore not in ("default", "none") and not Path(args.datastore).expanduser().exists():
+        raise FileNotFoundError(f"--datastore {args.datastore}: no such datastore directory")
+    if args.drafter != "default" and not Path(args.drafter).expanduser().is_file():
+        raise FileNotFoundError(f"--drafter {args.drafter}: no such file")
+    if args.device and not (args.device == "cpu" or args.device.split(":")[0] in ("cuda", "mps", "xpu")):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or xpu, got {args.device!r}")
+    _check_bindable(args.host, args.port)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Binds the address once, so that a taken port or an unknown host fails before loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from sssd.serving.api_server import create_app
+    from sssd.serving.async_engine import AsyncEngine
+    from sssd.serving.engine import EngineConfig, LLMEngine
+
+    logging.basicConfig(level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    speculate = not args.no_speculate
+    datastore = None if args.datastore == "none" else args.datastore
+    if speculate and datastore == "default":
+        from sssd.commands.draft import ensure_default_datastore
+
+        ensure_default_datastore()
+    drafter = args.drafter
+    if drafter == "default":
+        from sssd.paths import packaged_calibration
+
+        drafter = packaged_calibration(args.model, args.datastore)
+    config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+                          speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
+                          threads=args.threads, reprofile=args.reprofile)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config)
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
+    planner = engine.planner
+    if not speculate:
+        mode = "off"
+    elif planner.fixed is not None:
+        mode = f"budget {planner.fixed}"
+    else:
+        rows = planner.table((1, 4, 16, args.max_running))
+        mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.runner.device}, {args.dtype}); "
+          f"speculation: {mode}", file=sys.stderr, flush=True)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"WARNING: listening on {args.host} without an API key: anyone who reaches this port can use the "
+              f"model. Set --api-key (or SSSD_API_KEY), or bind 127.0.0.1 behind a proxy (SECURITY.md).",
+              file=sys.stderr, flush=True)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, name, api_key=args.api_key, request_timeout=args.request_timeout,
+                     max_tokens_default=args.max_tokens, public_metrics=args.public_metrics,
+                     max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout)
+    server = _graceful_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                     timeout_graceful_shutdown=args.drain_timeout + 5))
+    server.on_exit = app.state.begin_drain
+    server.run()
+    drained = async_engine.drained or {"running": 0, "cut": 0}
+    print(f"server stopped: {drained['running'] - drained['cut']} of {drained['running']} requests in flight "
+          f"finished, {drained['cut']} cut off", file=sys.stderr, flush=True)
+    return 0
 
 
 def _graceful_server_class():
@@ -94,12 +188,22 @@ def _graceful_server_class():
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn's server, but SIGTERM/SIGINT end it with exit status 0.
+        """uvicorn's server, but SIGTERM/SIGINT drain the engine and end with exit status 0.
 
-        uvicorn re-raises the signal after its graceful shutdown (so the
-        process dies of it); a server that drained its requests and stopped
-        cleanly should report success instead.
+        On the first signal the engine stops admitting requests (503) and gives the
+        running ones the drain timeout to finish; the rest end with an error event
+        (streams) or 503 (the others), so every client gets a complete response and
+        uvicorn never has to cancel a handler. uvicorn re-raises the signal after its
+        graceful shutdown (so the process dies of it); a server that drained and
+        stopped cleanly reports success instead.
         """
+
+        on_exit = None
+
+        def handle_exit(self, sig, frame):
+            if self.on_exit is not None:
+                self.on_exit()
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -120,4 +224,3 @@ def __getattr__(name):
     if name == "GracefulServer":
         return _graceful_server_class()
     raise AttributeError(name)
-
