@@ -10,7 +10,8 @@ second:
     b* = argmax_b  B * MAT(b) / t(B, b + 1)
 
 t(B, T) is the measured forward time on this machine (profiled once per
-model, dtype, device and thread count, cached on disk); MAT(b) comes from
+model, dtype, device and thread count, cached on disk with the conditions
+it was measured under, and measured again when those were noisy); MAT(b) comes from
 the drafter's calibration file (its per-budget development-set MAT), or
 from built-in estimates when there is none. Where no budget beats plain
 decoding, it returns 0: speculation is switched off for that step.
@@ -92,6 +93,7 @@ class ForwardProfile:
         from sssd.serving.verify import pack_trees
 
         runner, pool = engine.runner, engine.pool
+        context = max(1, min(context, engine.max_model_len - PROFILE_TOKENS[-1] - 2))  # fit short contexts
         cap = pool.shape.slots
         rows = [r for r in PROFILE_ROWS if r <= cap] or [cap]
         max_t = min(PROFILE_TOKENS[-1], engine.max_model_len - context - 1)
@@ -229,7 +231,7 @@ class BudgetPlanner:
         if cfg.budget is not None:
             return cls(fixed=cfg.budget)
         mat = _mat_from_drafter(engine)
-        return cls(fixed=None, mat=mat, profile=load_or_measure(engine, log=log))
+        return cls(fixed=None, mat=mat, profile=load_or_measure(engine, log=log, force=cfg.reprofile))
 
 
 class _Bucket:
@@ -299,21 +301,116 @@ def _profile_key(engine: LLMEngine) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_or_measure(engine: LLMEngine, log=None) -> ForwardProfile:
-    """The cached profile for this model and machine, measured on first use."""
+#: Another process's share of the CPU during profiling above which the profile is not trusted
+#: (SSSD_PROFILE_NOISY_SHARE overrides it; 1 trusts every profile).
+NOISY_SHARE = 0.25
+#: Times that fall by more than half (and by over 2 ms) as the work grows betray a hiccup.
+_HICCUP = (0.5, 0.002)
+
+
+def _cpu_busy_seconds() -> float | None:
+    """CPU seconds spent busy by the whole machine (all cores) since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Conditions:
+    """What else ran on the machine while the profile was measured."""
+
+    def __enter__(self):
+        self.t0, self.busy0, self.own0 = time.monotonic(), _cpu_busy_seconds(), _own_cpu_seconds()
+        self.load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        return self
+
+    def __exit__(self, *exc):
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        busy1, cores = _cpu_busy_seconds(), os.cpu_count() or 1
+        other = None
+        if self.busy0 is not None and busy1 is not None:
+            other = max(0.0, (busy1 - self.busy0) - (_own_cpu_seconds() - self.own0)) / (elapsed * cores)
+        self.record = {"measured_unix": int(time.time()), "seconds": round(elapsed, 2), "cpu_model": _cpu_model(),
+                       "cores": cores, "loadavg_1m_before": self.load0,
+                       "other_processes_cpu_share": None if other is None else round(other, 3)}
+        return False
+
+
+def _noisy_share() -> float:
+    return float(os.environ.get("SSSD_PROFILE_NOISY_SHARE", NOISY_SHARE))
+
+
+def profile_problem(prof: ForwardProfile) -> str | None:
+    """Why a cached profile should not be trusted (None: it looks sound)."""
+    other = (prof.meta.get("conditions") or {}).get("other_processes_cpu_share")
+    if "conditions" not in prof.meta:
+        return "it records no measuring conditions (measured by an older sssd)"
+    if other is not None and other > _noisy_share():
+        return f"other processes used {other:.0%} of the CPU while it was measured"
+    def falls(a: float, b: float) -> bool:
+        return b < _HICCUP[0] * a and a - b > _HICCUP[1]
+
+    one = [row[0] for row in prof.seconds]
+    if any(falls(a, b) for a, b in zip(one, one[1:])):
+        return "its 1-token times fall as the batch grows (a measuring hiccup)"
+    if any(falls(row[0], row[-1]) for row in prof.seconds):
+        return "its times fall as the tokens per row grow (a measuring hiccup)"
+    return None
+
+
+def load_or_measure(engine: LLMEngine, log=None, force: bool = False) -> ForwardProfile:
+    """The cached profile for this model and machine, measured on first use.
+
+    It is measured again when asked (`force`), or when the cached one is not
+    trustworthy (profile_problem: measured beside a busy process, or not
+    monotone). The measuring conditions (other processes' CPU share, load,
+    CPU model) are stored beside the times, and a noisy measurement says so.
+    """
     path = cache_dir() / "profiles" / f"forward-{_profile_key(engine)}.json"
-    if path.is_file():
+    if path.is_file() and not force:
         try:
             d = json.loads(path.read_text())
-            return ForwardProfile(d["rows"], d["tokens"], d["seconds"], d["context"], d.get("meta", {}))
-        except (OSError, ValueError, KeyError):
+            prof = ForwardProfile(d["rows"], d["tokens"], d["seconds"], d["context"], d.get("meta", {}))
+            problem = profile_problem(prof)
+            if problem is None:
+                return prof
+            if log:
+                log(f"re-measuring the cached forward profile {path.name}: {problem}")
+        except (OSError, ValueError, KeyError, TypeError):
             pass
     if log:
-        log(f"profiling the forward pass of {engine.runner.info.path} (once; cached in {path.parent})")
-    prof = ForwardProfile.measure(engine, log=log)
-    prof.meta = {"model": engine.runner.info.path, "measured_unix": int(time.time())}
+        log(f"profiling the forward pass of {engine.runner.info.path} (cached in {path.parent}; "
+            f"`sssd serve --reprofile` measures it again)")
+    with _Conditions() as cond:
+        prof = ForwardProfile.measure(engine, log=log)
+    prof.meta = {"model": engine.runner.info.path, "measured_unix": int(time.time()), "conditions": cond.record}
+    other = cond.record["other_processes_cpu_share"]
+    if log and other is not None and other > _noisy_share():
+        log(f"WARNING: other processes used {other:.0%} of the CPU while profiling: the planner's costs may be "
+            f"wrong. This profile will be measured again at the next start; run on a quiet machine.")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(prof.to_dict()))
     tmp.replace(path)
     return prof
