@@ -3,6 +3,9 @@
 import json
 import os
 import struct
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -237,4 +240,35 @@ def test_out_of_range_suffix_entry_raises_not_crashes(built):
 def test_garbage_manifest(built):
     (built / "manifest.json").write_text("{not json")
     with pytest.raises(sssd.DatastoreError, match="unreadable manifest"):
+        sssd.Datastore.open(built)
+
+
+# --- data files that are not regular files ---------------------------------
+
+def test_a_fifo_in_place_of_a_data_file_is_refused_without_blocking(built):
+    # Opening a FIFO for reading waits for a writer: the open must not.
+    os.remove(built / "suffix_array.bin")
+    os.mkfifo(built / "suffix_array.bin")
+    code = textwrap.dedent("""
+        import sys
+        from sssd import _core
+        try:
+            _core.Datastore.open(sys.argv[1])
+        except _core.SSSDError as e:
+            print(e)
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(built)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("opening a datastore with a FIFO for a data file blocked")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "suffix_array.bin: it is a FIFO, not a regular file" in proc.stdout
+    with pytest.raises(sssd.DatastoreError, match="FIFO"):  # in process too, now that it cannot block
+        sssd.Datastore.open(built)
+    os.remove(built / "token_index.bin")
+    os.mkdir(built / "token_index.bin")
+    os.remove(built / "suffix_array.bin")
+    sssd.Datastore.build(np.array([1, 2, 3, SEP, 1, 2, 4], dtype=np.uint32), built.parent / "again")
+    os.replace(built.parent / "again" / "suffix_array.bin", built / "suffix_array.bin")
+    with pytest.raises(sssd.DatastoreError, match="token_index.bin: it is a directory"):
         sssd.Datastore.open(built)

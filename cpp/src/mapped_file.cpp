@@ -14,13 +14,25 @@
 namespace sssd {
 
 Bytes Bytes::map_file(const std::string& path, bool random_access) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+  // writer. It changes nothing for a regular file, the only kind accepted.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   SSSD_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     throw Error(detail::concat("cannot stat ", path, ": ", std::strerror(err)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                       : S_ISDIR(st.st_mode) ? "a directory"
+                       : S_ISCHR(st.st_mode) ? "a character device"
+                       : S_ISBLK(st.st_mode) ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a special file";
+    throw Error(detail::concat("cannot open ", path, ": it is ", kind, ", not a regular file"));
   }
   Bytes b;
   b.size_ = size_t(st.st_size);

@@ -17,7 +17,9 @@ class Bytes {
  public:
   Bytes() = default;
   /// Maps `path` read-only. Throws sssd::Error (with the path and errno text)
-  /// if it cannot be opened or mapped. `random_access` sets MADV_RANDOM.
+  /// if it cannot be opened or mapped, or is not a regular file (a FIFO, a
+  /// device or a directory is refused without blocking on it).
+  /// `random_access` sets MADV_RANDOM.
   static Bytes map_file(const std::string& path, bool random_access);
   /// Takes ownership of an in-memory buffer.
   static Bytes own(std::vector<uint8_t> buffer);
