@@ -231,7 +231,11 @@ def test_mismatched_files(tmp_path, built):
 
 def test_out_of_range_suffix_entry_raises_not_crashes(built):
     _patch(built / "suffix_array.bin", 64, struct.pack("<I", 10**6))
-    ds = sssd.Datastore.open(built)  # headers are fine; opening reads no entries
+    # Headers are fine; the structural validation at open reads the entries.
+    with pytest.raises(sssd.SSSDError, match=r"suffix_array\.bin: corrupt: entry 0 = 1000000 is outside"):
+        sssd.Datastore.open(built)
+    # Unvalidated, the bounds-checked accessors raise when a query reaches it.
+    ds = sssd.Datastore(_core.Datastore.open(str(built), validate=False))
     with pytest.raises(sssd.SSSDError, match="corrupt suffix array"):
         for ctx in ([1], [2], [3], [4], [1, 2]):
             ds.query(ctx)
@@ -241,6 +245,85 @@ def test_garbage_manifest(built):
     (built / "manifest.json").write_text("{not json")
     with pytest.raises(sssd.DatastoreError, match="unreadable manifest"):
         sssd.Datastore.open(built)
+
+
+# --- structural validation at open (bodies whose headers are fine) ----------
+
+def _rewrite_fingerprint(d):
+    tokens = np.fromfile(d / "tokens.bin", dtype=np.uint32, offset=64)
+    fp = struct.pack("<Q", int(_core.stream_stats(tokens)["fingerprint"]))
+    for name in ("tokens.bin", "suffix_array.bin", "token_index.bin"):
+        _patch(d / name, 40, fp)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        # token id 9 >= vocab_size 5 (the header's), fingerprint rewritten to match
+        (lambda d: (_patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 9)), _rewrite_fingerprint(d)),
+         r"tokens\.bin: corrupt: token id 9 at position 2 is outside the vocabulary"),
+        # a changed token with the old fingerprint
+        (lambda d: _patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 4)),
+         r"tokens\.bin: corrupt: the token stream does not match the fingerprint"),
+        # entry 3 below entry 2
+        (lambda d: _patch(d / "token_index.bin", 64 + 3 * 8, struct.pack("<Q", 1)),
+         r"token_index\.bin: corrupt: entry 3 \(1\) is below entry 2 \(2\)"),
+        (lambda d: _patch(d / "token_index.bin", 64, struct.pack("<Q", 1)),
+         r"token_index\.bin: corrupt: entry 0 is 1, expected 0"),
+        # the separator-initial range is one too long
+        (lambda d: _patch(d / "token_index.bin", 64 + 5 * 8, struct.pack("<Q", 5)),
+         r"token_index\.bin: corrupt: entry 5 \(5\) leaves 2 separator-initial suffixes, but the stream has 1"),
+        # ranks 0 and 1 ("1 2 3 SEP", "1 2 4") swapped: same first token, out of order
+        (lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 4, 0)),
+         r"suffix_array\.bin: corrupt: the suffixes at ranks 0 and 1 \(positions 4 and 0\) are out of order"),
+        (lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 0, 0)),
+         r"suffix_array\.bin: corrupt: entries 0 and 1 both hold position 0"),
+        (lambda d: _patch(d / "suffix_array.bin", 64 + 4 * 6, struct.pack("<I", 7)),
+         r"suffix_array\.bin: corrupt: entry 6 = 7 is outside the stream of 7 tokens"),
+    ],
+)
+def test_corrupt_bodies_are_refused_at_open_naming_file_and_problem(built, corrupt, message):
+    corrupt(built)
+    with pytest.raises(ValueError, match=message) as e:
+        _core.Datastore.open(str(built))
+    assert isinstance(e.value, sssd.SSSDError) and str(built) in str(e.value)
+    with pytest.raises(sssd.SSSDError, match=message):
+        sssd.Datastore.open(built)
+    # The check is also callable on a datastore opened without it.
+    raw = _core.Datastore.open(str(built), validate=False)
+    with pytest.raises(ValueError, match=message):
+        raw.validate()
+
+
+def test_validation_accepts_every_valid_datastore(tmp_path, rng):
+    # Long repeats (undecided suffix order within the compared prefix), no
+    # separators, sparse huge ids (no token index), a single token.
+    streams = [
+        random_corpus(rng, 300, vocab=20, repeat=0.9),
+        np.tile(np.array([1, 2, 3, 4, 5], dtype=np.uint32), 200),
+        np.array([4_000_000_000, 7, SEP, 123_456_789, 7], dtype=np.uint32),
+        np.array([3], dtype=np.uint32),
+        np.array([SEP, SEP, 1], dtype=np.uint32),
+    ]
+    for i, tokens in enumerate(streams):
+        sssd.Datastore.build(tokens, tmp_path / f"ds{i}")
+        for threads in (1, 2):
+            _core.Datastore.open(str(tmp_path / f"ds{i}"), num_threads=threads)
+
+
+def test_repeated_entries_inside_long_repeats_are_found(tmp_path):
+    # A 200-token document three times: the suffixes at 400, 200 and 0 have
+    # adjacent ranks and share 200 tokens, more than validation compares, so
+    # their order is left undecided. Rank of 0 rewritten to 400: no adjacent
+    # pair is out of order or equal, but 400 now appears twice.
+    doc = list(range(1, 201))
+    sssd.Datastore.build(np.array(doc * 3, dtype=np.uint32), tmp_path / "ds")
+    sa = np.fromfile(tmp_path / "ds" / "suffix_array.bin", dtype=np.uint32, offset=64)
+    r = int(np.flatnonzero(sa == 0)[0])
+    assert sa[r - 2 : r + 1].tolist() == [400, 200, 0]
+    _patch(tmp_path / "ds" / "suffix_array.bin", 64 + 4 * r, struct.pack("<I", 400))
+    with pytest.raises(ValueError, match=rf"suffix_array\.bin: corrupt: position 400 appears twice \(again at rank {r}\)"):
+        _core.Datastore.open(str(tmp_path / "ds"), num_threads=1)
 
 
 # --- data files that are not regular files ---------------------------------

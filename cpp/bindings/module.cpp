@@ -130,6 +130,9 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   m.doc() = "SSSD native core: suffix-array datastore, request trie, draft-tree merge.";
 
   py::register_exception<sssd::Error>(m, "SSSDError", PyExc_RuntimeError);
+  // Registered after SSSDError, so tried first (translators run newest first).
+  py::register_exception<sssd::CorruptFile>(m, "CorruptDatastoreError",
+                                            py::make_tuple(m.attr("SSSDError"), py::handle(PyExc_ValueError)));
   py::register_exception<sssd::UnknownRequest>(m, "UnknownRequestError", PyExc_KeyError);
 
   m.attr("SEPARATOR") = sssd::kSeparator;
@@ -198,10 +201,17 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   // pybind11 holders cannot be pointer-to-const; the object is immutable anyway.
   using DatastorePtr = std::shared_ptr<sssd::Datastore>;
   py::class_<sssd::Datastore, DatastorePtr>(m, "Datastore")
-      .def_static("open", [](const std::string& dir) {
+      .def_static("open", [](const std::string& dir, bool validate, int num_threads) {
         py::gil_scoped_release release;
-        return std::const_pointer_cast<sssd::Datastore>(sssd::Datastore::open(dir));
-      }, "directory"_a)
+        return std::const_pointer_cast<sssd::Datastore>(sssd::Datastore::open(dir, validate, num_threads));
+      }, "directory"_a, "validate"_a = true, "num_threads"_a = 0,
+         "Maps a datastore directory. validate: check the body's structure (one parallel pass; "
+         "CorruptDatastoreError, a ValueError, names the file and the problem); without it only "
+         "headers are read, and a corrupt body gives exceptions or meaningless trees, never a crash.")
+      .def("validate", [](const sssd::Datastore& ds, int num_threads) {
+        py::gil_scoped_release release;
+        ds.validate(num_threads);
+      }, "num_threads"_a = 0, "Checks the body's structure; raises CorruptDatastoreError (a ValueError).")
       .def_static("from_tokens", [](const py::array& tokens, int num_threads) {
         const auto text = borrow<sssd::token_t>(tokens, "tokens");
         py::gil_scoped_release release;

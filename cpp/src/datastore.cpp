@@ -53,7 +53,10 @@ void check_query(const DatastoreQuery& q) {
 }
 
 Datastore::Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::string& where)
-    : tokens_bytes_(std::move(tokens)), suffix_bytes_(std::move(suffixes)), token_index_bytes_(std::move(index)) {
+    : dir_(where),
+      tokens_bytes_(std::move(tokens)),
+      suffix_bytes_(std::move(suffixes)),
+      token_index_bytes_(std::move(index)) {
   const std::string tok_name = where + "/" + kTokensFile;
   const std::string sa_name = where + "/" + kSuffixArrayFile;
   header_ = read_header(tokens_bytes_.data(), tokens_bytes_.size(), kTokensMagic, tok_name);
@@ -80,7 +83,8 @@ Datastore::Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::strin
     SSSD_CHECK(ih.count == header_.vocab_size + 1, idx_name, ": ", ih.count,
                " entries, expected vocab_size + 1 = ", header_.vocab_size + 1);
     first_ = reinterpret_cast<const uint64_t*>(token_index_bytes_.data() + sizeof(FileHeader));
-    SSSD_CHECK(first_[ih.count - 1] <= n_, idx_name, ": corrupt (points beyond the stream)");
+    SSSD_CHECK_AS(CorruptFile, first_[ih.count - 1] <= n_, idx_name,
+                  ": corrupt: its last entry points beyond the stream; rebuild the datastore");
   }
 }
 
@@ -91,16 +95,17 @@ std::pair<size_t, size_t> Datastore::first_token_range(token_t t) const {
     return {end, end};
   }
   size_t lo = first_[t], hi = first_[t + 1];
-  SSSD_CHECK(lo <= hi && hi <= n_, "corrupt token index at token ", t, " (run `sssd verify`)");
+  SSSD_CHECK_AS(CorruptFile, lo <= hi && hi <= n_, "corrupt token index at token ", t, " (run `sssd verify`)");
   return {lo, hi};
 }
 
-std::shared_ptr<const Datastore> Datastore::open(const std::string& dir) {
+std::shared_ptr<const Datastore> Datastore::open(const std::string& dir, bool validate, int num_threads) {
   Bytes tokens = Bytes::map_file(dir + "/" + kTokensFile, /*random_access=*/true);
   Bytes suffixes = Bytes::map_file(dir + "/" + kSuffixArrayFile, /*random_access=*/true);
   Bytes index = Bytes::map_file(dir + "/" + kTokenIndexFile, /*random_access=*/false);
-  return std::shared_ptr<const Datastore>(
-      new Datastore(std::move(tokens), std::move(suffixes), std::move(index), dir));
+  std::shared_ptr<const Datastore> ds(new Datastore(std::move(tokens), std::move(suffixes), std::move(index), dir));
+  if (validate) ds->validate(num_threads);
+  return ds;
 }
 
 std::shared_ptr<const Datastore> Datastore::from_tokens(std::span<const token_t> tokens,
@@ -170,8 +175,8 @@ size_t Datastore::suffix(size_t r) const {
     std::memcpy(&v, sa_ + r * 8, 8);
     pos = v;
   }
-  SSSD_CHECK(pos < n_, "corrupt suffix array: entry ", r, " points at ", pos, " beyond ", n_,
-             " tokens (run `sssd verify`)");
+  SSSD_CHECK_AS(CorruptFile, pos < n_, "corrupt suffix array: entry ", r, " points at ", pos, " beyond ", n_,
+                " tokens (run `sssd verify`)");
   return pos;
 }
 

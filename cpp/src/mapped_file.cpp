@@ -50,6 +50,10 @@ Bytes Bytes::map_file(const std::string& path, bool random_access) {
   return b;
 }
 
+void Bytes::advise(int advice) const {
+  if (mapped_ && data_) ::madvise(const_cast<uint8_t*>(data_), size_, advice);
+}
+
 Bytes Bytes::own(std::vector<uint8_t> buffer) {
   Bytes b;
   b.owned_ = std::move(buffer);

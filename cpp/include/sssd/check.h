@@ -6,6 +6,9 @@
 //   std::invalid_argument -> ValueError   (bad argument values)
 //   std::out_of_range     -> IndexError   (unknown ids, indices)
 //   sssd::Error           -> sssd.SSSDError (corrupt files, I/O, internal)
+//   sssd::CorruptFile     -> sssd._core.CorruptDatastoreError, both a
+//                            sssd.SSSDError and a ValueError (a file whose
+//                            structure is inconsistent)
 //   sssd::UnknownRequest  -> KeyError       (a request id that is not open)
 #pragma once
 
@@ -19,6 +22,12 @@ namespace sssd {
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+/// A file whose contents are inconsistent (bad structure, not bad I/O).
+class CorruptFile : public Error {
+ public:
+  using Error::Error;
 };
 
 /// A request id that is not open (KeyError in Python).

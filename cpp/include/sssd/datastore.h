@@ -56,10 +56,32 @@ struct QueryStats {
 
 class Datastore {
  public:
-  /// Maps `dir`/tokens.bin and `dir`/suffix_array.bin. Checks headers, sizes
-  /// and that both files describe the same stream; reads nothing else, so the
-  /// cost does not depend on the datastore's size. Throws sssd::Error.
-  static std::shared_ptr<const Datastore> open(const std::string& dir);
+  /// Maps `dir`/tokens.bin, suffix_array.bin and token_index.bin. Checks
+  /// headers, sizes and that the files describe the same stream (throws
+  /// sssd::Error), then, if `validate`, their structure (validate()). Without
+  /// validation, opening reads nothing else and a corrupt body can only give
+  /// exceptions or meaningless (but well-formed) trees, never a crash.
+  static std::shared_ptr<const Datastore> open(const std::string& dir, bool validate = true,
+                                               int num_threads = 0);
+
+  /// Checks the whole structure in one parallel pass over each file, and
+  /// throws CorruptFile naming the file and the first inconsistency found:
+  ///  - tokens.bin: every id is < the header's vocab_size or the separator,
+  ///    and the stream matches the header's vocab_size, document count and
+  ///    fingerprint;
+  ///  - token_index.bin: starts at 0, never decreases, and leaves exactly the
+  ///    separator-initial suffixes after entry vocab_size;
+  ///  - suffix_array.bin: every entry is < size(); the suffix at each rank
+  ///    starts with the token whose index range holds the rank; adjacent
+  ///    suffixes are in strictly increasing order. Order is decided within
+  ///    kValidateOrderTokens tokens; pairs sharing a longer prefix (long
+  ///    repeats) are not compared further, and entries are then also
+  ///    checked to be distinct, so the array is a permutation.
+  /// Reads every byte of the three files: seconds for billions of tokens.
+  void validate(int num_threads = 0) const;
+
+  /// Tokens compared per adjacent pair of suffixes by validate().
+  static constexpr size_t kValidateOrderTokens = 16;
 
   /// Builds a datastore in memory (for tests and small corpora).
   static std::shared_ptr<const Datastore> from_tokens(std::span<const token_t> tokens,
@@ -86,7 +108,7 @@ class Datastore {
   /// fault at a time). Returns the bytes touched.
   size_t warm() const;
 
-  /// Start position of the suffix of rank `r` (< size()). Throws sssd::Error
+  /// Start position of the suffix of rank `r` (< size()). Throws CorruptFile
   /// if the stored entry is out of range (a corrupt suffix array).
   size_t suffix(size_t r) const;
 
@@ -154,6 +176,12 @@ class Datastore {
   QueryStats query_levels(std::span<const token_t> context, const DatastoreQuery& q,
                           ContinuationTree& out) const;
 
+  // validate()'s passes; each throws CorruptFile.
+  void validate_tokens(int threads) const;
+  void validate_index() const;
+  void validate_suffix_array(int threads) const;
+
+  std::string dir_;  // where the files are (for messages), "<memory>" if built in memory
   Bytes tokens_bytes_, suffix_bytes_, token_index_bytes_;
   FileHeader header_{};
   const token_t* text_ = nullptr;

@@ -33,6 +33,9 @@ class Bytes {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   bool mapped() const { return mapped_; }
+  /// madvise() hint for a mapped file (MADV_SEQUENTIAL, MADV_RANDOM, ...);
+  /// a no-op for owned buffers. Failures are ignored (it is a hint).
+  void advise(int advice) const;
 
  private:
   void release() noexcept;
