@@ -249,6 +249,37 @@ def test_garbage_manifest(built):
 
 # --- structural validation at open (bodies whose headers are fine) ----------
 
+def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs code in a child interpreter (a crash there fails the test, not the session)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_empty_backoff_level_of_a_corrupt_index_raises_or_drafts_never_crashes(built):
+    # tokens 1 2 3 SEP 1 2 4: token 1 owns ranks [0, 2), token 2 ranks [2, 4).
+    # Entry 2 = 4 gives token 1 ranks [0, 4) and token 2 none: "1 2" is still
+    # found, "2" no longer. Backing off level by level (min_occurrences >
+    # max_samples) from "1 2" to "2" then sampled an empty range, reading
+    # before the start of an empty vector (SIGSEGV).
+    _patch(built / "token_index.bin", 64 + 2 * 8, struct.pack("<Q", 4))
+    with pytest.raises(ValueError, match=r"token_index\.bin and .*suffix_array\.bin disagree"):
+        _core.Datastore.open(str(built))
+    with pytest.raises(sssd.SSSDError, match=r"token_index\.bin"):
+        sssd.Datastore.open(built)
+    code = textwrap.dedent("""
+        import sys, sssd
+        from sssd import _core
+        ds = sssd.Datastore(_core.Datastore.open(sys.argv[1], validate=False))
+        for budget in (1, 8, 32):
+            tree = sssd.Drafter(ds, max_samples=1, min_occurrences=100, use_input=False).draft_prefix([7, 1, 2], budget)
+            assert all(-1 <= p < i for i, p in enumerate(tree.parents.tolist())), tree
+            assert all(0 <= t < 5 for t in tree.tokens.tolist()), tree
+        print("drafted", len(tree))
+    """)
+    proc = _run_python(code, str(built))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("drafted")
+
+
 def _rewrite_fingerprint(d):
     tokens = np.fromfile(d / "tokens.bin", dtype=np.uint32, offset=64)
     fp = struct.pack("<Q", int(_core.stream_stats(tokens)["fingerprint"]))

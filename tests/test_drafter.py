@@ -140,6 +140,15 @@ def test_ids_outside_the_vocabulary(store):
         sssd.Drafter(store).draft_prefix([sssd.SEPARATOR])
 
 
+def test_a_datastore_with_ids_outside_the_vocabulary_is_refused(store):
+    # Drafts copy the datastore's ids: they must fit the model's vocabulary.
+    assert store.native.vocab_size == 30
+    with pytest.raises(ValueError, match=r"datastore holds token ids up to 29, outside the vocabulary \(vocab_size 20\)"):
+        sssd.Drafter(store, vocab_size=20)
+    sssd.Drafter(store, vocab_size=20, use_datastore=False)  # not drafted from: fine
+    sssd.Drafter(store, vocab_size=30)
+
+
 @pytest.mark.parametrize("budget", [-1, 10**6])
 def test_bad_budgets(store, budget):
     d = sssd.Drafter(store)

@@ -252,20 +252,30 @@ Task<Datastore::Bound> Datastore::at_least(std::span<const token_t> pattern, siz
 
 void Datastore::stage_continuation(size_t start, int branch_len, float weight,
                                    ContinuationTree& out) const {
-  const size_t limit = std::min(n_, start + size_t(branch_len));
-  size_t p = start;
-  while (p < limit && text_[p] != kSeparator) ++p;
+  // A valid suffix array puts `start` at most at the stream's end; a corrupt
+  // one can put it past it: that continuation is empty, as at the end.
+  const size_t begin = std::min(start, n_);
+  const size_t limit = std::min(n_, begin + size_t(branch_len));
+  // Every id of a valid stream is below vocab_size or the separator (above
+  // it): one comparison finds the separator, and an id that a corrupt
+  // stream holds outside the vocabulary ends the continuation too.
+  const uint64_t vocab = header_.vocab_size;
+  size_t p = begin;
+  while (p < limit && text_[p] < vocab) ++p;
   using End = ContinuationTree::End;
-  const End end = p < limit ? End::kSeparator  // stopped early: at a separator
-                  : p == start + size_t(branch_len) ? End::kLength
+  const End end = p < limit ? (text_[p] == kSeparator ? End::kSeparator : End::kStream)  // stopped early
+                  : p == begin + size_t(branch_len) ? End::kLength
                                                     : End::kStream;
-  out.stage({text_ + std::min(start, n_), p - std::min(start, n_)}, end, weight);
+  out.stage({text_ + begin, p - begin}, end, weight);
 }
 
 Task<bool> Datastore::sample(size_t first, size_t last, int len, DatastoreQuery q, float weight,
                              ContinuationTree* out) const {
   const size_t count = last - first;
   const size_t take = std::min<size_t>(count, q.max_samples);
+  // Empty only if the ranges disagree with the binary search (a corrupt
+  // suffix array): nothing to sample.
+  if (take == 0) co_return false;
   // Regular intervals, centred in each of `take` equal slices of the range.
   const bool wide = count > (size_t(1) << 40);  // (2k + 1) * count could overflow 64 bits
   auto rank_of = [&](size_t k) {
@@ -394,8 +404,10 @@ Task<QueryStats> Datastore::query_task(std::span<const token_t> context, Datasto
     const auto rest = pattern.subspan(st.offset);
     size_t first = bound_of[size_t(base + 1)];
     if (first == kUnset) first = co_await bound(st.lo, st.hi, rest, st.offset, /*upper=*/false);
+    // Fewer than `need` occurrences in a valid datastore (base + 1 is above
+    // the base); the cap bounds the scan when a corrupt one disagrees.
     size_t last = first;
-    while (last < st.hi) {
+    while (last < st.hi && last - first < need) {
       co_await Prefetch{text_ + std::min(suffix(last) + st.offset, n_ - 1)};
       if (compare(suffix(last) + st.offset, rest) != 0) break;
       ++last;

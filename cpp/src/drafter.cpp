@@ -40,6 +40,11 @@ Drafter::Drafter(std::shared_ptr<const Datastore> datastore, DrafterParams param
     : datastore_(std::move(datastore)), params_(std::move(params)), threads_(resolve_threads(num_threads)) {
   check_params(params_);
   SSSD_CHECK_ARG(num_threads >= 0, "num_threads must be >= 0 (0: OpenMP default), got ", num_threads);
+  // Drafts copy the datastore's ids: they must be ids of the caller's vocabulary.
+  SSSD_CHECK_ARG(!datastore_ || !params_.use_datastore || params_.vocab_size == 0 ||
+                     datastore_->vocab_size() <= params_.vocab_size,
+                 "the datastore holds token ids up to ", datastore_ ? datastore_->vocab_size() - 1 : 0,
+                 ", outside the vocabulary (vocab_size ", params_.vocab_size, "); it was built with another tokenizer");
 }
 
 void Drafter::check_tokens(std::span<const token_t> tokens, const char* what) const {
