@@ -386,3 +386,13 @@ def test_a_fifo_in_place_of_a_data_file_is_refused_without_blocking(built):
     os.replace(built.parent / "again" / "suffix_array.bin", built / "suffix_array.bin")
     with pytest.raises(sssd.DatastoreError, match="token_index.bin: it is a directory"):
         sssd.Datastore.open(built)
+
+
+def test_suffix_rank_is_bounds_checked(built):
+    ds = sssd.Datastore.open(built)
+    assert sorted(ds.native.suffix(r) for r in range(ds.size)) == list(range(ds.size))
+    for bad in (ds.size, ds.size + 1, 2**40):
+        with pytest.raises(IndexError, match="out of range"):
+            ds.native.suffix(bad)
+    with pytest.raises(TypeError):
+        ds.native.suffix(-1)

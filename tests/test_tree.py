@@ -1,6 +1,7 @@
 """Tree attention masks, position ids and best chains against brute force."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,3 +87,21 @@ def test_paths_and_formatting():
     assert t.path(3) == [0, 2, 3]
     assert sorted(t.leaves().tolist()) == [1, 3]
     assert "d= 3" in t.format()
+
+
+def test_best_chains_checks_every_offset_before_reading():
+    parents = np.array([-1, 0, -1, 0, 1], dtype=np.int32)  # trees [-1, 0] and [-1, 0, 1]
+    scores = np.ones(5, dtype=np.float32)
+    off, nodes = _core.best_chains(np.array([0, 2, 5], dtype=np.int64), parents, scores)
+    assert off.tolist() == [0, 2, 5] and nodes.tolist() == [0, 1, 0, 1, 2]
+    # A middle offset beyond the arrays (or below the previous one) used to be
+    # read before the next offset disagreed: an out-of-bounds read.
+    for bad in ([0, 10**6, 5], [0, 7, 5], [0, -3, 5], [0, 3, 2, 5], [1, 5], [0, 4], [0, 6]):
+        with pytest.raises(ValueError, match="offsets"):
+            _core.best_chains(np.array(bad, dtype=np.int64), parents, scores)
+    with pytest.raises(ValueError, match=r"parents\[3\] = 0: parents must be -1 or an earlier node of the same tree"):
+        _core.best_chains(np.array([0, 3, 5], dtype=np.int64), parents, scores)  # tree 1's first node has a parent
+    with pytest.raises(ValueError, match="len"):
+        _core.best_chains(np.array([0, 5], dtype=np.int64), parents, scores[:4])
+    with pytest.raises(ValueError, match="offsets"):
+        _core.best_chains(np.zeros(0, dtype=np.int64), parents, scores)

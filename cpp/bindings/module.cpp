@@ -420,23 +420,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     const auto off = borrow<int64_t>(offsets, "offsets");
     const auto par = borrow<int32_t>(parents, "parents");
     const auto sc = borrow<float>(scores, "scores");
-    SSSD_CHECK_ARG(!off.empty() && off.front() == 0 && size_t(off.back()) == par.size() &&
-                       sc.size() == par.size(),
-                   "offsets must start at 0 and end at len(parents) == len(scores)");
-    std::vector<int64_t> out_off{0};
-    std::vector<int32_t> nodes;
-    for (size_t b = 0; b + 1 < off.size(); ++b) {
-      SSSD_CHECK_ARG(off[b] <= off[b + 1], "offsets must be non-decreasing");
-      const size_t n = size_t(off[b + 1] - off[b]);
-      for (size_t k = 0; k < n; ++k) {
-        const int32_t p = par[size_t(off[b]) + k];
-        SSSD_CHECK_ARG(p >= -1 && p < int32_t(k), "parents must precede their children");
-      }
-      const auto chain = sssd::best_chain(par.data() + off[b], sc.data() + off[b], n);
-      nodes.insert(nodes.end(), chain.begin(), chain.end());
-      out_off.push_back(int64_t(nodes.size()));
+    std::pair<std::vector<int64_t>, std::vector<int32_t>> chains;
+    {
+      py::gil_scoped_release release;
+      chains = sssd::best_chains(off, par, sc);
     }
-    return py::make_tuple(to_numpy(std::move(out_off)), to_numpy(std::move(nodes)));
+    return py::make_tuple(to_numpy(std::move(chains.first)), to_numpy(std::move(chains.second)));
   }, "offsets"_a, "parents"_a, "scores"_a,
      "Per tree, the chain with the largest sum of scores (request-local node indices).");
 }

@@ -165,6 +165,8 @@ size_t Datastore::warm() const {
 }
 
 size_t Datastore::suffix(size_t r) const {
+  SSSD_CHECK_AS(std::out_of_range, r < n_, "suffix rank ", r, " is out of range for a datastore of ", n_,
+                " tokens");
   size_t pos;
   if (index_bytes_ == 4) {
     uint32_t v;

@@ -1,5 +1,6 @@
 #include "sssd/tree_merger.h"
 
+#include "sssd/check.h"
 #include "sssd/continuation_tree.h"
 
 #include <algorithm>
@@ -129,6 +130,37 @@ std::vector<int32_t> best_chain(const int32_t* parents, const float* scores, siz
   std::vector<int32_t> chain;
   for (int32_t i = root_next; i >= 0; i = next[size_t(i)]) chain.push_back(i);
   return chain;
+}
+
+std::pair<std::vector<int64_t>, std::vector<int32_t>> best_chains(std::span<const int64_t> offsets,
+                                                                  std::span<const int32_t> parents,
+                                                                  std::span<const float> scores) {
+  SSSD_CHECK_ARG(!offsets.empty() && offsets.front() == 0 && scores.size() == parents.size() &&
+                     uint64_t(offsets.back()) == parents.size(),
+                 "offsets must start at 0 and end at len(parents) == len(scores)");
+  for (size_t b = 0; b + 1 < offsets.size(); ++b) {
+    SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing (offsets[", b, "] = ", offsets[b],
+                   " > offsets[", b + 1, "] = ", offsets[b + 1], ")");
+  }
+  // Every offset is now in [0, parents.size()].
+  for (size_t b = 0; b + 1 < offsets.size(); ++b) {
+    for (int64_t i = offsets[b]; i < offsets[b + 1]; ++i) {
+      const int32_t p = parents[size_t(i)];
+      SSSD_CHECK_ARG(p >= -1 && p < i - offsets[b], "parents[", i, "] = ", p,
+                     ": parents must be -1 or an earlier node of the same tree");
+    }
+  }
+  std::pair<std::vector<int64_t>, std::vector<int32_t>> out;
+  auto& [out_offsets, nodes] = out;
+  out_offsets.reserve(offsets.size());
+  out_offsets.push_back(0);
+  for (size_t b = 0; b + 1 < offsets.size(); ++b) {
+    const size_t begin = size_t(offsets[b]);
+    const auto chain = best_chain(parents.data() + begin, scores.data() + begin, size_t(offsets[b + 1]) - begin);
+    nodes.insert(nodes.end(), chain.begin(), chain.end());
+    out_offsets.push_back(int64_t(nodes.size()));
+  }
+  return out;
 }
 
 }  // namespace sssd

@@ -108,8 +108,9 @@ class Datastore {
   /// fault at a time). Returns the bytes touched.
   size_t warm() const;
 
-  /// Start position of the suffix of rank `r` (< size()). Throws CorruptFile
-  /// if the stored entry is out of range (a corrupt suffix array).
+  /// Start position of the suffix of rank `r`. Throws std::out_of_range if
+  /// r >= size(), CorruptFile if the stored entry is out of range (a corrupt
+  /// suffix array).
   size_t suffix(size_t r) const;
 
   /// [lo, hi): ranks of the suffixes that start with `pattern` (no separators).

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "sssd/types.h"
@@ -51,5 +53,15 @@ DraftBatch concat(const std::vector<DraftTree>& trees);
 /// accepted length when scores are calibrated acceptance probabilities),
 /// root side first. Ties go to the earlier-inserted node.
 std::vector<int32_t> best_chain(const int32_t* parents, const float* scores, size_t n);
+
+/// best_chain() of every tree of a batch in CSR form (tree b owns entries
+/// [offsets[b], offsets[b+1]) of parents and scores; parents are tree-local).
+/// Returns (offsets, nodes) in the same form. Throws std::invalid_argument
+/// unless offsets start at 0, never decrease and end at parents.size() ==
+/// scores.size(), and every parent is -1 or an earlier node of its tree;
+/// everything is checked before anything is read.
+std::pair<std::vector<int64_t>, std::vector<int32_t>> best_chains(std::span<const int64_t> offsets,
+                                                                  std::span<const int32_t> parents,
+                                                                  std::span<const float> scores);
 
 }  // namespace sssd
