@@ -303,3 +303,43 @@ def test_stepwise_drafting_equals_drafting_from_scratch(seed, steps, max_match, 
         assert a.tokens.tolist() == b.tokens.tolist()
         assert a.parents.tolist() == b.parents.tolist()
         np.testing.assert_array_equal(a.scores, b.scores)
+
+
+# --- array layouts at the boundary ------------------------------------------
+
+def _misaligned(values, dtype) -> np.ndarray:
+    """A C-contiguous array whose data starts one byte off its natural alignment."""
+    values = np.asarray(values, dtype=dtype)
+    buf = np.zeros(values.nbytes + 1, dtype=np.uint8)
+    out = buf[1:].view(dtype) if values.size else np.zeros(0, dtype)
+    out[:] = values
+    assert values.size == 0 or not out.flags.aligned
+    return out
+
+
+def test_misaligned_arrays_are_read_safely(store):
+    # Reading uint32/uint64/int32 in place from a misaligned buffer is
+    # undefined behaviour (UBSan: misaligned load in check_tokens); the
+    # binding copies such arrays once. Results equal the aligned ones.
+    prompt = [1, 2, 3, 1, 2]
+    d = sssd.Drafter(store)
+    d.open(7, _misaligned(prompt, np.uint32))
+    d.extend(7, _misaligned([3], np.uint32))
+    d.open(8, prompt + [3])
+    ids = _misaligned([7, 8], np.uint64)
+    budgets = _misaligned([8, 8], np.int32)
+    external = sssd.tree.concat([sssd.DraftTree(np.array([4, 5]), np.array([-1, 0], np.int32), np.array([1, 2], np.int32),
+                                                np.zeros(2, np.float32), np.full(2, 2, np.uint8),
+                                                np.array([0.9, 0.8], np.float32))] * 2)
+    got = d._native.draft(ids, budgets, {"offsets": _misaligned(external.offsets, np.int64),
+                                         "tokens": _misaligned(external.tokens, np.uint32),
+                                         "parents": _misaligned(external.parents, np.int32),
+                                         "probs": _misaligned(external.draft_probs, np.float32)})
+    want = d.draft([8, 8], [8, 8], external=external)
+    for key in ("offsets", "tokens", "parents", "depths", "scores"):
+        np.testing.assert_array_equal(got[key], getattr(want, key))
+    assert d.draft_prefix(_misaligned(prompt + [3], np.uint32), 8).tokens.tolist() == d.draft_prefix(prompt + [3], 8).tokens.tolist()
+    off, nodes = _core.best_chains(_misaligned(want.offsets, np.int64), _misaligned(want.parents, np.int32),
+                                   _misaligned(want.scores, np.float32))
+    np.testing.assert_array_equal(nodes, want.best_chains()[1])
+

@@ -120,3 +120,28 @@ def test_discount_params_table_shape():
     assert t.max_match == 4 and t.max_depth == 8
     # the input source is discounted below the datastore at the same match
     assert t(sssd.SOURCE_INPUT, 4, 1) < t(sssd.SOURCE_DATASTORE, 4, 1)
+
+
+def test_score_table_sizes_do_not_overflow():
+    # max_match + 1 used to be computed in int: for INT_MAX it overflowed
+    # (undefined behaviour) and the expected size came out as garbage.
+    cells = 3 * 2**31 * 2
+    with pytest.raises(ValueError, match=f"score table has 6 factors, expected {cells}$"):
+        _core.ScoreTable(2**31 - 1, 1, np.ones(6))
+    with pytest.raises(ValueError, match=f"expected {3 * 2 * 2**31}$"):
+        _core.ScoreTable(1, 2**31 - 1, np.ones(6))
+
+
+def test_trees_given_as_lists_are_kept_alive():
+    # A list converts to a temporary array; the core used to keep a span into
+    # it after the temporary was freed (a use-after-free under ASan).
+    table = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3))
+    arrays = {"tokens": np.array([1, 2, 3], dtype=np.uint32), "parents": np.array([-1, 0, -1], dtype=np.int32),
+              "weights": np.array([4.0, 2.0, 3.0]), "total": 8.0, "source": 0, "match_len": 1, "max_depth": 2}
+    lists = {**arrays, "weights": [4.0, 2.0, 3.0]}
+    want = _core.merge_trees([arrays], table, 8)
+    got = _core.merge_trees([lists], table, 8)
+    for key in ("tokens", "parents", "scores"):
+        np.testing.assert_array_equal(got[key], want[key])
+    curves = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [([0.0, 1.0], [0.0, 0.5])])
+    assert curves.priority(0, 1, 1, 1.0) == 0.5

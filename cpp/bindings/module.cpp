@@ -30,6 +30,7 @@
 namespace py = pybind11;
 using namespace pybind11::literals;
 using sssd::py_util::borrow;
+using sssd::py_util::Borrowed;
 using sssd::py_util::to_numpy;
 using sssd::py_util::RequestIds;
 using sssd::py_util::Tokens;
@@ -350,16 +351,20 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                        py::object external) {
         const RequestIds id_span(ids);
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
+        // The holders own copies of misaligned arrays: they outlive `ext`.
         std::optional<sssd::ExternalTrees> ext;
         std::optional<Tokens> ext_tokens;
+        std::optional<Borrowed<int64_t>> ext_offsets;
+        std::optional<Borrowed<int32_t>> ext_parents;
+        std::optional<Borrowed<float>> ext_probs;
         py::dict ext_dict;
         if (!external.is_none()) {
           ext_dict = external.cast<py::dict>();
           ext_tokens.emplace(ext_dict["tokens"].cast<py::array>(), "external tokens");
-          ext = sssd::ExternalTrees{borrow<int64_t>(ext_dict["offsets"], "external offsets"),
-                                    ext_tokens->span(),
-                                    borrow<int32_t>(ext_dict["parents"], "external parents"),
-                                    borrow<float>(ext_dict["probs"], "external probs")};
+          ext_offsets.emplace(ext_dict["offsets"].cast<py::array>(), "external offsets");
+          ext_parents.emplace(ext_dict["parents"].cast<py::array>(), "external parents");
+          ext_probs.emplace(ext_dict["probs"].cast<py::array>(), "external probs");
+          ext = sssd::ExternalTrees{*ext_offsets, ext_tokens->span(), *ext_parents, *ext_probs};
         }
         sssd::DraftBatch batch;
         {

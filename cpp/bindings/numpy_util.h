@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -18,34 +19,92 @@ namespace sssd::py_util {
 
 namespace py = pybind11;
 
-/// Borrows `arr` as a span of T. Throws TypeError naming `what` unless it is
-/// a 1-D C-contiguous array of exactly dtype T. Call with the GIL held; the
-/// caller keeps `arr` alive while the span is used.
+inline bool is_aligned(const py::array& arr) {
+  return (arr.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
+}
+
+/// A 1-D C-contiguous numpy array of dtype T (or an equivalent one: 'q' and
+/// 'l' are both int64) as a span. Borrowed without a copy when the data is
+/// aligned for T; a misaligned array (np.frombuffer at an odd offset) is
+/// copied once, since reading T in place there is undefined behaviour.
+/// Holds a reference to the array, so the span stays valid while this
+/// object lives, even for a temporary array converted from a list.
+/// Construct and destroy with the GIL held.
 template <typename T>
-std::span<const T> borrow(const py::array& arr, const char* what) {
-  if (!arr.dtype().is(py::dtype::of<T>())) {
-    throw py::type_error(std::string(what) + ": expected a numpy array of dtype " +
-                         std::string(py::str(py::dtype::of<T>())) + ", got " +
-                         std::string(py::str(arr.dtype())));
+class Borrowed {
+ public:
+  Borrowed(const py::array& arr, const char* what) : keep_(arr) {
+    if (!arr.dtype().equal(py::dtype::of<T>())) {
+      throw py::type_error(std::string(what) + ": expected a numpy array of dtype " +
+                           std::string(py::str(py::dtype::of<T>())) + ", got " +
+                           std::string(py::str(arr.dtype())));
+    }
+    if (arr.ndim() != 1) {
+      throw py::type_error(std::string(what) + ": expected a 1-D array, got " +
+                           std::to_string(arr.ndim()) + " dimensions");
+    }
+    if (!(arr.flags() & py::array::c_style)) {
+      throw py::type_error(std::string(what) + ": array must be C-contiguous");
+    }
+    const size_t n = size_t(arr.shape(0));
+    if (is_aligned(arr)) {
+      view_ = {static_cast<const T*>(arr.data()), n};
+    } else {
+      owned_.resize(n);
+      if (n) std::memcpy(owned_.data(), arr.data(), n * sizeof(T));
+      view_ = owned_;
+      copied_ = true;
+    }
   }
-  if (arr.ndim() != 1) {
-    throw py::type_error(std::string(what) + ": expected a 1-D array, got " +
-                         std::to_string(arr.ndim()) + " dimensions");
+  Borrowed(Borrowed&& o) noexcept
+      : keep_(std::move(o.keep_)), owned_(std::move(o.owned_)), view_(o.view_), copied_(o.copied_) {
+    if (copied_) view_ = owned_;
   }
-  if (!(arr.flags() & py::array::c_style)) {
-    throw py::type_error(std::string(what) + ": array must be C-contiguous");
-  }
-  return {static_cast<const T*>(arr.data()), size_t(arr.shape(0))};
+  Borrowed(const Borrowed&) = delete;
+  Borrowed& operator=(const Borrowed&) = delete;
+  Borrowed& operator=(Borrowed&&) = delete;
+
+  std::span<const T> span() const { return view_; }
+  operator std::span<const T>() const { return view_; }
+  size_t size() const { return view_.size(); }
+  bool empty() const { return view_.empty(); }
+  const T* data() const { return view_.data(); }
+  const T& operator[](size_t i) const { return view_[i]; }
+  const T& front() const { return view_.front(); }
+  const T& back() const { return view_.back(); }
+  auto begin() const { return view_.begin(); }
+  auto end() const { return view_.end(); }
+
+ private:
+  py::array keep_;
+  std::vector<T> owned_;
+  std::span<const T> view_;
+  bool copied_ = false;
+};
+
+/// Borrows `arr` (see Borrowed). Throws TypeError naming `what` unless it is
+/// a 1-D C-contiguous array of dtype T.
+template <typename T>
+Borrowed<T> borrow(const py::array& arr, const char* what) {
+  return Borrowed<T>(arr, what);
+}
+
+/// Element i of a C-contiguous array of T, read bytewise (any alignment).
+template <typename T>
+T load(const py::array& a, size_t i) {
+  T v;
+  std::memcpy(&v, static_cast<const char*>(a.data()) + i * sizeof(T), sizeof(T));
+  return v;
 }
 
 /// Token ids from any 1-D integer numpy array: borrowed when it already is
-/// C-contiguous uint32, otherwise converted once with range checks (ids are
-/// in [0, kMaxTokenId]; the first bad one raises ValueError naming `what`
-/// and its index). Construct with the GIL held; span() stays valid while
-/// this object and the array live.
+/// aligned C-contiguous uint32, otherwise converted once with range checks
+/// (ids are in [0, kMaxTokenId]; the first bad one raises ValueError naming
+/// `what` and its index). Holds a reference to the array: span() stays
+/// valid while this object lives. Construct and destroy with the GIL held.
 class Tokens {
  public:
-  Tokens(const py::array& arr, const char* what) {
+  Tokens(const py::array& arr, const char* what) : keep_(arr) {
     if (arr.ndim() != 1) {
       throw py::type_error(std::string(what) + ": expected a 1-D array of token ids, got " +
                            std::to_string(arr.ndim()) + " dimensions");
@@ -55,7 +114,7 @@ class Tokens {
       throw py::type_error(std::string(what) + ": token ids must be integers, got dtype " +
                            std::string(py::str(arr.dtype())));
     }
-    if (arr.dtype().is(py::dtype::of<token_t>()) && (arr.flags() & py::array::c_style)) {
+    if (arr.dtype().equal(py::dtype::of<token_t>()) && (arr.flags() & py::array::c_style) && is_aligned(arr)) {
       view_ = {static_cast<const token_t*>(arr.data()), size_t(arr.shape(0))};
       return;
     }
@@ -68,58 +127,62 @@ class Tokens {
   std::span<const token_t> span() const { return view_; }
 
  private:
+  // `a` may still be misaligned (no conversion was needed): read bytewise.
   template <typename T>
   void convert(const py::array_t<T, py::array::c_style | py::array::forcecast>& a, const char* what) {
-    const T* p = a.data();
     const size_t n = size_t(a.shape(0));
     owned_.resize(n);
     for (size_t i = 0; i < n; ++i) {
+      const T v = load<T>(a, i);
       if constexpr (std::is_signed_v<T>) {
-        if (p[i] < 0) {
+        if (v < 0) {
           throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] = " +
-                                std::to_string(p[i]) + " is negative; token ids are >= 0");
+                                std::to_string(v) + " is negative; token ids are >= 0");
         }
       }
-      if (uint64_t(p[i]) > uint64_t(kMaxTokenId)) {
+      if (uint64_t(v) > uint64_t(kMaxTokenId)) {
         throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] = " +
-                              std::to_string(p[i]) + " exceeds the largest token id " +
+                              std::to_string(v) + " exceeds the largest token id " +
                               std::to_string(kMaxTokenId) + " (" + std::to_string(kSeparator) +
                               " is reserved as the document separator)");
       }
-      owned_[i] = token_t(p[i]);
+      owned_[i] = token_t(v);
     }
     view_ = owned_;
   }
+  py::array keep_;
   std::vector<token_t> owned_;
   std::span<const token_t> view_;
 };
 
 /// Request ids (uint64) from a 1-D integer array: borrowed when it is
-/// C-contiguous uint64, else converted once (negative ids raise ValueError).
+/// aligned C-contiguous uint64, else converted once (negative ids raise
+/// ValueError). Holds a reference to the array; construct and destroy with
+/// the GIL held.
 class RequestIds {
  public:
-  explicit RequestIds(const py::array& arr) {
+  explicit RequestIds(const py::array& arr) : keep_(arr) {
     const char kind = arr.dtype().kind();
     if (arr.ndim() != 1 || (kind != 'i' && kind != 'u')) {
       throw py::type_error("request ids must be a 1-D array of integers");
     }
-    if (arr.dtype().is(py::dtype::of<uint64_t>()) && (arr.flags() & py::array::c_style)) {
+    if (arr.dtype().is(py::dtype::of<uint64_t>()) && (arr.flags() & py::array::c_style) && is_aligned(arr)) {
       view_ = {static_cast<const uint64_t*>(arr.data()), size_t(arr.shape(0))};
       return;
     }
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> a(arr);
+    const py::array_t<int64_t, py::array::c_style | py::array::forcecast> a(arr);
     owned_.resize(size_t(a.shape(0)));
     for (size_t i = 0; i < owned_.size(); ++i) {
-      if (a.data()[i] < 0) {
-        throw py::value_error("request ids must be >= 0, got " + std::to_string(a.data()[i]));
-      }
-      owned_[i] = uint64_t(a.data()[i]);
+      const int64_t v = load<int64_t>(a, i);
+      if (v < 0) throw py::value_error("request ids must be >= 0, got " + std::to_string(v));
+      owned_[i] = uint64_t(v);
     }
     view_ = owned_;
   }
   std::span<const uint64_t> span() const { return view_; }
 
  private:
+  py::array keep_;
   std::vector<uint64_t> owned_;
   std::span<const uint64_t> view_;
 };

@@ -51,7 +51,8 @@ class ScoreTable {
       : max_match_(max_match), max_depth_(max_depth), factors_(std::move(factors)),
         curve_of_(std::move(curve_of)), curves_(std::move(curves)) {
     SSSD_CHECK_ARG(max_match >= 0 && max_depth >= 1, "score table needs max_match >= 0 and max_depth >= 1");
-    const size_t cells = size_t(kNumSources) * size_t(max_match + 1) * size_t(max_depth + 1);
+    // In size_t: max_match + 1 overflows int for max_match = INT_MAX.
+    const size_t cells = size_t(kNumSources) * (size_t(max_match) + 1) * (size_t(max_depth) + 1);
     SSSD_CHECK_ARG(factors_.size() == cells, "score table has ", factors_.size(), " factors, expected ", cells);
     for (double f : factors_) {
       SSSD_CHECK_ARG(f >= 0 && f <= 1e30, "discount factors must be finite and >= 0, got ", f);
@@ -88,7 +89,7 @@ class ScoreTable {
   size_t cell(Source source, int match_len, int depth) const {
     const size_t m = size_t(std::clamp(match_len, 0, max_match_));
     const size_t d = size_t(std::clamp(depth, 1, max_depth_));
-    return (size_t(source) * size_t(max_match_ + 1) + m) * size_t(max_depth_ + 1) + d;
+    return (size_t(source) * (size_t(max_match_) + 1) + m) * (size_t(max_depth_) + 1) + d;
   }
 
   int max_match_;
