@@ -49,13 +49,21 @@ def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | N
     raise TypeError(f"datastore must be a Datastore, a path, 'default' or None, got {type(datastore).__name__}")
 
 
+# Request ids are the integers in [0, 2^64) everywhere: scalars and arrays,
+# here and in sssd._core (which checks the ranges).
+
 def _request_ids(ids: Any) -> np.ndarray:
-    """Request ids as a 1-D integer array (negatives are refused in C++)."""
-    arr = np.asarray(ids)
+    """Request ids as a 1-D integer array (ranges are checked in C++)."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.size == 0:
         return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu" and not isinstance(ids, np.ndarray) and arr.ndim == 1:
+        # A list mixing ids >= 2^63 with smaller ones (or negative ones) has no
+        # common integer dtype: numpy makes it float64 (losing digits) or
+        # object. Check each Python int instead.
+        return np.array([_request_id(i) for i in ids], dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"request ids must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -67,7 +75,7 @@ def _request_id(rid: Any) -> int:
     if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)):
         raise TypeError(f"request id must be an int, got {type(rid).__name__}")
     if not 0 <= int(rid) < 2**64:
-        raise ValueError(f"request id must be in [0, 2^64), got {rid}")
+        raise ValueError(f"request ids must be >= 0 and < 2^64, got {rid}")
     return int(rid)
 
 

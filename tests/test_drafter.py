@@ -343,3 +343,51 @@ def test_misaligned_arrays_are_read_safely(store):
                                    _misaligned(want.scores, np.float32))
     np.testing.assert_array_equal(nodes, want.best_chains()[1])
 
+
+# --- request ids ----------------------------------------------------------------
+
+def test_request_ids_are_the_integers_from_0_to_2_64_everywhere(store):
+    big, top = 2**63, 2**64 - 1
+    d = sssd.Drafter(store)
+    for rid in (0, 5, big, top):
+        d.open(rid, [1, 2, 3])
+    assert d.request_ids() == [0, 5, big, top]
+    assert big in d and top in d and -1 not in d and 2**64 not in d
+    want = d.draft([5], 8)[0]
+    # Every spelling of the ids: lists (mixing >= 2^63 and small ids too),
+    # numpy uint64 of both C spellings ('L' and 'Q'), int64, numpy scalars.
+    spellings = ([big], [top, 5], [5, big, 0], np.array([big], dtype=np.uint64), np.asarray([big]),
+                 np.array([5], dtype=np.int64), np.array([5], dtype=np.uint8), np.uint64(top), [np.uint64(big)])
+    for ids in spellings:
+        batch = d.draft(ids, 8)
+        assert len(batch) == np.asarray(ids).size
+        for tree in batch:
+            assert tree.tokens.tolist() == want.tokens.tolist()
+    d.extend_batch([big, top], [[4], [4, 5]])
+    d.extend(np.uint64(big), [6])
+    assert d.context(big).tolist() == [1, 2, 3, 4, 6] and d.context(top).tolist() == [1, 2, 3, 4, 5]
+    assert d.request_memory(top) > 0
+    d.close(big)
+    assert big not in d
+
+    native = d._native  # the binding follows the same rule
+    native.open(big, np.array([1, 2], dtype=np.uint32))
+    assert big in native and native.context(big).tolist() == [1, 2]
+    assert len(native.draft(np.asarray([big, top]), np.array([4, 4], dtype=np.int32))["offsets"]) == 3
+    native.close(big)
+
+    for bad in (-1, 2**64, -(2**63)):
+        for call in (lambda: d.open(bad, [1]), lambda: d.draft([bad], 4), lambda: d.close(bad),
+                     lambda: native.open(bad, np.array([1], dtype=np.uint32)), lambda: native.close(bad),
+                     lambda: d.extend_batch([0, bad], [[1], [1]])):
+            with pytest.raises(ValueError, match=r"request ids must be >= 0 and < 2\^64, got"):
+                call()
+    with pytest.raises(ValueError, match="got -1"):
+        native.draft(np.array([-1], dtype=np.int64), np.array([4], dtype=np.int32))
+    for bad in (1.5, "a", True, None):
+        with pytest.raises(TypeError):
+            d.open(bad, [1])
+        with pytest.raises(TypeError):
+            native.open(bad, np.array([1], dtype=np.uint32))
+    with pytest.raises(TypeError):
+        d.draft([1.5, 2.5], 4)

@@ -31,6 +31,7 @@ namespace py = pybind11;
 using namespace pybind11::literals;
 using sssd::py_util::borrow;
 using sssd::py_util::Borrowed;
+using sssd::py_util::request_id;
 using sssd::py_util::to_numpy;
 using sssd::py_util::RequestIds;
 using sssd::py_util::Tokens;
@@ -319,12 +320,14 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   py::class_<sssd::Drafter>(m, "Drafter")
       .def(py::init<DatastorePtr, sssd::DrafterParams, int>(), "datastore"_a, "params"_a,
            "num_threads"_a = 0)
-      .def("open", [](sssd::Drafter& d, uint64_t id, const py::array& prompt) {
+      .def("open", [](sssd::Drafter& d, py::handle rid, const py::array& prompt) {
+        const uint64_t id = request_id(rid);
         const Tokens p(prompt, "prompt");
         py::gil_scoped_release release;
         d.open(id, p.span());
       }, "request_id"_a, "prompt"_a)
-      .def("extend", [](sssd::Drafter& d, uint64_t id, const py::array& tokens) {
+      .def("extend", [](sssd::Drafter& d, py::handle rid, const py::array& tokens) {
+        const uint64_t id = request_id(rid);
         const Tokens t(tokens, "tokens");
         py::gil_scoped_release release;
         d.extend(id, t.span());
@@ -337,15 +340,25 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::gil_scoped_release release;
         d.extend_batch(id_span.span(), off, t.span());
       }, "request_ids"_a, "offsets"_a, "tokens"_a)
-      .def("close", [](sssd::Drafter& d, uint64_t id) {
+      .def("close", [](sssd::Drafter& d, py::handle rid) {
+        const uint64_t id = request_id(rid);
         py::gil_scoped_release release;
         d.close(id);
       }, "request_id"_a)
-      .def("__contains__", &sssd::Drafter::contains)
+      .def("__contains__", [](const sssd::Drafter& d, py::handle rid) {
+        // Like a dict: an int that cannot be an id is simply not there.
+        try {
+          return d.contains(request_id(rid));
+        } catch (const py::value_error&) {
+          return false;
+        }
+      })
       .def("__len__", &sssd::Drafter::num_requests)
       .def("request_ids", &sssd::Drafter::request_ids)
-      .def("context", [](const sssd::Drafter& d, uint64_t id) { return to_numpy(d.context(id)); })
-      .def("request_memory", &sssd::Drafter::request_memory)
+      .def("context", [](const sssd::Drafter& d, py::handle rid) { return to_numpy(d.context(request_id(rid))); },
+           "request_id"_a)
+      .def("request_memory", [](const sssd::Drafter& d, py::handle rid) { return d.request_memory(request_id(rid)); },
+           "request_id"_a)
       .def_property_readonly("num_threads", &sssd::Drafter::num_threads)
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
                        py::object external) {

@@ -155,10 +155,38 @@ class Tokens {
   std::span<const token_t> view_;
 };
 
-/// Request ids (uint64) from a 1-D integer array: borrowed when it is
-/// aligned C-contiguous uint64, else converted once (negative ids raise
-/// ValueError). Holds a reference to the array; construct and destroy with
-/// the GIL held.
+/// Request ids are the integers in [0, 2^64): one rule for every entry
+/// point, scalar or array. Message of the ValueError for one that is not.
+inline std::string bad_request_id(const std::string& value) {
+  return "request ids must be >= 0 and < 2^64, got " + value;
+}
+
+/// A scalar request id: any Python int (or object with __index__, such as a
+/// numpy integer; not a bool). TypeError for other types, ValueError for one
+/// outside [0, 2^64).
+inline uint64_t request_id(py::handle obj) {
+  if (PyBool_Check(obj.ptr())) throw py::type_error("request id must be an int, got bool");
+  PyObject* index = PyNumber_Index(obj.ptr());
+  if (!index) {
+    PyErr_Clear();
+    throw py::type_error("request id must be an int, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  }
+  py::int_ value = py::reinterpret_steal<py::int_>(index);
+  if (PyObject_RichCompareBool(value.ptr(), py::int_(0).ptr(), Py_LT) == 1) {
+    throw py::value_error(bad_request_id(std::string(py::str(value))));
+  }
+  const unsigned long long v = PyLong_AsUnsignedLongLong(value.ptr());
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error(bad_request_id(std::string(py::str(value))));
+  }
+  return uint64_t(v);
+}
+
+/// Request ids from a 1-D integer array (see request_id): borrowed when it is
+/// aligned C-contiguous uint64, else converted once (any unsigned dtype
+/// exactly; signed ones refuse negative ids with ValueError). Holds a
+/// reference to the array; construct and destroy with the GIL held.
 class RequestIds {
  public:
   explicit RequestIds(const py::array& arr) : keep_(arr) {
@@ -166,16 +194,22 @@ class RequestIds {
     if (arr.ndim() != 1 || (kind != 'i' && kind != 'u')) {
       throw py::type_error("request ids must be a 1-D array of integers");
     }
-    if (arr.dtype().is(py::dtype::of<uint64_t>()) && (arr.flags() & py::array::c_style) && is_aligned(arr)) {
+    if (arr.dtype().equal(py::dtype::of<uint64_t>()) && (arr.flags() & py::array::c_style) && is_aligned(arr)) {
       view_ = {static_cast<const uint64_t*>(arr.data()), size_t(arr.shape(0))};
       return;
     }
-    const py::array_t<int64_t, py::array::c_style | py::array::forcecast> a(arr);
-    owned_.resize(size_t(a.shape(0)));
-    for (size_t i = 0; i < owned_.size(); ++i) {
-      const int64_t v = load<int64_t>(a, i);
-      if (v < 0) throw py::value_error("request ids must be >= 0, got " + std::to_string(v));
-      owned_[i] = uint64_t(v);
+    if (kind == 'u') {
+      const py::array_t<uint64_t, py::array::c_style | py::array::forcecast> a(arr);
+      owned_.resize(size_t(a.shape(0)));
+      for (size_t i = 0; i < owned_.size(); ++i) owned_[i] = load<uint64_t>(a, i);
+    } else {
+      const py::array_t<int64_t, py::array::c_style | py::array::forcecast> a(arr);
+      owned_.resize(size_t(a.shape(0)));
+      for (size_t i = 0; i < owned_.size(); ++i) {
+        const int64_t v = load<int64_t>(a, i);
+        if (v < 0) throw py::value_error(bad_request_id(std::to_string(v)));
+        owned_[i] = uint64_t(v);
+      }
     }
     view_ = owned_;
   }
