@@ -1,5 +1,10 @@
 """Suffix-array construction against the brute-force order."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -80,3 +85,36 @@ def test_rejects_wrong_dtype_without_copying():
 def test_empty_and_single():
     assert _core.build_suffix_array(np.zeros(0, dtype=np.uint32)).tolist() == []
     assert _core.build_suffix_array(np.array([sssd.SEPARATOR], dtype=np.uint32)).tolist() == [0]
+
+
+@pytest.mark.skipif(bool(os.environ.get("SSSD_SANITIZED")) or "libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="ASan reserves terabytes of address space: RLIMIT_AS cannot be lowered under it")
+def test_allocation_failure_inside_the_parallel_sort_is_a_memory_error():
+    # One repeated token puts every suffix in one bucket, whose key records
+    # (16 bytes per suffix, grown by doubling) are allocated inside an OpenMP
+    # region. The address-space limit leaves room for the sort's allocations
+    # outside its parallel regions (12 bytes per token) but not for those
+    # records. An exception escaping an OpenMP region calls std::terminate
+    # (SIGABRT): it must come out as MemoryError instead. In a child
+    # interpreter, so that a regression cannot kill the test session.
+    code = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from sssd import _core
+        n = 1 << 24
+        tokens = np.ones(n, dtype=np.uint32)
+        _core.build_suffix_array(np.ones(1000, dtype=np.uint32), 2)  # OpenMP threads (stacks) exist first
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+        limit = used + 20 * n
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            _core.build_suffix_array(tokens, 2)
+        except MemoryError:
+            print("MemoryError")
+        else:
+            print("sorted")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert proc.stdout.strip() == "MemoryError"

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <mutex>
+#include <optional>
 
 #include "sssd/check.h"
 #include "sssd/continuation_tree.h"
@@ -260,12 +261,15 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
   ExceptionCapture capture;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    Scratch scratch;
+    // Made under the capture too: it allocates, and nothing may throw out of
+    // the region. If it failed, capture.run skips every body below.
+    std::optional<Scratch> scratch;
+    capture.run([&] { scratch.emplace(); });
 #pragma omp for schedule(dynamic, 1)
     for (size_t g = 0; g < groups; ++g) {
       capture.run([&] {
         draft_group(tries.data(), budgets.data(), external, g * kInterleave, std::min(n, (g + 1) * kInterleave),
-                    scratch, out.data());
+                    *scratch, out.data());
       });
     }
   }

@@ -152,50 +152,57 @@ void build_suffix_array(std::span<const token_t> text, std::span<Index> sa, int 
   // packed into a 64-bit key (stopping after a separator; ties by position).
   // rank[i] = start in sa of the group of suffixes that share suffix i's
   // first h tokens; final suffixes get their own position as rank.
+  // Regions that allocate run their bodies under an ExceptionCapture: an
+  // exception (std::bad_alloc) must not escape an OpenMP region, where it
+  // would call std::terminate; it is rethrown after the region instead.
   std::vector<Index> rank(n);
   std::vector<Group<Index>> groups;
+  ExceptionCapture capture;
 #pragma omp parallel num_threads(T)
   {
     std::vector<std::pair<uint64_t, Index>> recs, tmp;
     std::vector<Group<Index>> found;
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t s = 1; s <= alphabet; ++s) {
-      const size_t lo = bucket[s], hi = bucket[s + 1];
-      if (hi - lo == 1 || s == sep_sym) {
-        for (size_t u = lo; u < hi; ++u) rank[sa[u]] = Index(u);
-        continue;
-      }
-      recs.clear();
-      for (size_t u = lo; u < hi; ++u) {
-        const size_t i = sa[u];
-        uint64_t k = 0;
-        bool stop = false;
-        for (int j = 1; j < per_key; ++j) {
-          const uint32_t c = (stop || i + j >= n) ? 0u : sym[i + j];
-          stop = stop || c == sep_sym;
-          k = (k << bits) | c;
+      capture.run([&] {
+        const size_t lo = bucket[s], hi = bucket[s + 1];
+        if (hi - lo == 1 || s == sep_sym) {
+          for (size_t u = lo; u < hi; ++u) rank[sa[u]] = Index(u);
+          return;
         }
-        recs.emplace_back(k, Index(i));
-      }
-      sort_pairs(recs, tmp, /*by_value_too=*/true);  // members arrive in position order
-      for (size_t start = 0, u = 1; u <= recs.size(); ++u) {
-        if (u < recs.size() && recs[u].first == recs[start].first) continue;
-        bool final_group = u - start == 1;
-        uint64_t k = recs[start].first;
-        for (int j = 1; j < per_key && !final_group; ++j, k >>= bits) {
-          final_group = (k & slot_mask) == sep_sym && sep_sym != 0;
+        recs.clear();
+        for (size_t u = lo; u < hi; ++u) {
+          const size_t i = sa[u];
+          uint64_t k = 0;
+          bool stop = false;
+          for (int j = 1; j < per_key; ++j) {
+            const uint32_t c = (stop || i + j >= n) ? 0u : sym[i + j];
+            stop = stop || c == sep_sym;
+            k = (k << bits) | c;
+          }
+          recs.emplace_back(k, Index(i));
         }
-        for (size_t v = start; v < u; ++v) {
-          sa[lo + v] = recs[v].second;
-          rank[recs[v].second] = Index(final_group ? lo + v : lo + start);
+        sort_pairs(recs, tmp, /*by_value_too=*/true);  // members arrive in position order
+        for (size_t start = 0, u = 1; u <= recs.size(); ++u) {
+          if (u < recs.size() && recs[u].first == recs[start].first) continue;
+          bool final_group = u - start == 1;
+          uint64_t k = recs[start].first;
+          for (int j = 1; j < per_key && !final_group; ++j, k >>= bits) {
+            final_group = (k & slot_mask) == sep_sym && sep_sym != 0;
+          }
+          for (size_t v = start; v < u; ++v) {
+            sa[lo + v] = recs[v].second;
+            rank[recs[v].second] = Index(final_group ? lo + v : lo + start);
+          }
+          if (!final_group) found.push_back({Index(lo + start), Index(lo + u)});
+          start = u;
         }
-        if (!final_group) found.push_back({Index(lo + start), Index(lo + u)});
-        start = u;
-      }
+      });
     }
 #pragma omp critical
-    groups.insert(groups.end(), found.begin(), found.end());
+    capture.run([&] { groups.insert(groups.end(), found.begin(), found.end()); });
   }
+  capture.rethrow();
   sym.clear();
   sym.shrink_to_fit();
 
@@ -230,29 +237,32 @@ void build_suffix_array(std::span<const token_t> text, std::span<Index> sa, int 
       std::vector<Group<Index>> found;
 #pragma omp for schedule(dynamic, 64) nowait
       for (size_t g = 0; g < groups.size(); ++g) {
-        const Index lo = groups[g].lo, hi = groups[g].hi;
-        const Index first = next_key[lo];
-        if (std::all_of(&next_key[lo] + 1, &next_key[0] + hi, [&](Index k) { return k == first; })) {
-          found.push_back(groups[g]);
-          continue;
-        }
-        pairs.clear();
-        for (Index j = lo; j < hi; ++j) pairs.emplace_back(next_key[j], sa[j]);
-        sort_pairs(pairs, tmp, /*by_value_too=*/false);
-        Index start = 0;
-        for (Index u = 0; u < hi - lo; ++u) {
-          sa[lo + u] = pairs[u].second;
-          if (u > 0 && pairs[u].first != pairs[u - 1].first) {
-            if (u - start >= 2) found.push_back({Index(lo + start), Index(lo + u)});
-            start = u;
+        capture.run([&] {
+          const Index lo = groups[g].lo, hi = groups[g].hi;
+          const Index first = next_key[lo];
+          if (std::all_of(&next_key[lo] + 1, &next_key[0] + hi, [&](Index k) { return k == first; })) {
+            found.push_back(groups[g]);
+            return;
           }
-          if (start > 0) rank[pairs[u].second] = lo + start;
-        }
-        if (hi - lo - start >= 2) found.push_back({Index(lo + start), hi});
+          pairs.clear();
+          for (Index j = lo; j < hi; ++j) pairs.emplace_back(next_key[j], sa[j]);
+          sort_pairs(pairs, tmp, /*by_value_too=*/false);
+          Index start = 0;
+          for (Index u = 0; u < hi - lo; ++u) {
+            sa[lo + u] = pairs[u].second;
+            if (u > 0 && pairs[u].first != pairs[u - 1].first) {
+              if (u - start >= 2) found.push_back({Index(lo + start), Index(lo + u)});
+              start = u;
+            }
+            if (start > 0) rank[pairs[u].second] = lo + start;
+          }
+          if (hi - lo - start >= 2) found.push_back({Index(lo + start), hi});
+        });
       }
 #pragma omp critical
-      next_groups.insert(next_groups.end(), found.begin(), found.end());
+      capture.run([&] { next_groups.insert(next_groups.end(), found.begin(), found.end()); });
     }
+    capture.rethrow();
     groups.swap(next_groups);
     // Distinct suffixes differ within n tokens, so this cannot loop forever.
     SSSD_CHECK(h <= 2 * n + 2, "suffix sort did not converge (internal error)");
