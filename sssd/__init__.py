@@ -28,6 +28,7 @@ from sssd.config import (
 from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
+from sssd.sources import Candidates, DraftRequest, DraftSource, RetrievalSource
 from sssd.tree import DraftBatch, DraftTree, ancestor_mask
 
 try:
@@ -39,7 +40,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 def __getattr__(name: str):
     # The engine needs torch and transformers: load it only when asked for.
     if name == "LLM":
-        from sssd.llm import LLM
+        from sssd.serving.llm import LLM
 
         return LLM
     if name == "SamplingParams":
@@ -54,8 +55,16 @@ def build_info() -> dict:
     return dict(_core.build_info(), version=__version__)
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"LLM", "SamplingParams"})
+
+
 __all__ = [
     "Calibration",
+    "Candidates",
+    "DraftRequest",
+    "DraftSource",
+    "RetrievalSource",
     "DEFAULT",
     "SEPARATOR",
     "SOURCE_DATASTORE",

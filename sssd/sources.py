@@ -1,0 +1,320 @@
+"""Draft sources: what proposes candidate tokens, and how their proposals are merged.
+
+A DraftSource proposes, for a batch of requests (request id, token history,
+budget), a small tree of candidate tokens per request, and may attach a
+real draft probability q(token | parent path) to each node (a model drafter
+does; retrieval attaches empirical probabilities as scores). Every source's
+candidates enter the same C++ priority queue (sssd.Drafter's merge) with its
+per-source discount, which builds one tree per request within its budget.
+
+Retrieval (the suffix-array datastore plus the request's own tokens,
+SSSD's drafting) is the first source, `RetrievalSource`. A user's own
+source is any subclass of DraftSource implementing `propose`; the engine
+takes a list of sources or spec strings::
+
+    sssd.LLM(model, draft=["retrieval"])            # the default
+    sssd.LLM(model, draft=[])                       # plain decoding, the same engine
+    sssd.LLM(model, draft=["retrieval", MySource()])
+    sssd serve --draft retrieval
+
+The spec grammar is fixed; later kinds plug into it: `retrieval`,
+`model:<name or folder>` (a draft model), `self:streamingllm` and
+`self:snapkv` (the target over a sparse view of its own KV cache).
+
+This module never imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from sssd.config import SourceDiscount
+
+log = logging.getLogger("sssd.drafting")
+
+#: Kinds of the draft spec grammar, and what each names.
+SPEC_KINDS = {
+    "retrieval": "the datastore and the request's own tokens (SSSD's drafting)",
+    "model:<name or folder>": "a small causal LM drafting for the target",
+    "self:streamingllm": "the target over a StreamingLLM view of its own KV cache",
+    "self:snapkv": "the target over a SnapKV view of its own KV cache",
+}
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request to draft for.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        tokens: its tokens so far, prompt and output (int64, read-only); the last
+            one is the root the draft continues.
+        budget: the most candidate nodes the merged tree may hold.
+    """
+
+    request_id: int
+    tokens: np.ndarray
+    budget: int
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A source's proposal for one request: a tree over the root.
+
+    Attributes:
+        tokens: [n] candidate token ids.
+        parents: [n] parent node index, -1 for children of the root; a parent
+            precedes its children.
+        probs: [n] q(token | parent path) when the source has a real draft
+            distribution (a model), else None. Probabilities also rank the
+            candidates in the merge (after the source's discount); without
+            them every candidate ranks as probability 1.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray | None = None
+
+    def check(self, vocab_size: int | None) -> Candidates:
+        """The proposal as int64/int32/float32 arrays, or ValueError saying what is malformed."""
+        tokens = np.asarray(self.tokens)
+        parents = np.asarray(self.parents)
+        if tokens.ndim != 1 or parents.shape != tokens.shape:
+            raise ValueError(f"tokens and parents must be 1-D of one length, got {tokens.shape} and {parents.shape}")
+        if tokens.size and (tokens.dtype.kind not in "iu" or parents.dtype.kind not in "iu"):
+            raise ValueError(f"tokens and parents must be integers, got {tokens.dtype} and {parents.dtype}")
+        n = tokens.shape[0]
+        if n and (tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size)):
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got {int(tokens.min())}..{int(tokens.max())}")
+        if n and ((parents < -1).any() or (parents >= np.arange(n)).any()):
+            raise ValueError("parents must be -1 or the index of an earlier node")
+        probs = None
+        if self.probs is not None:
+            probs = np.asarray(self.probs, dtype=np.float32)
+            if probs.shape != tokens.shape or not np.all((probs >= 0) & (probs <= 1)):
+                raise ValueError("probs must be one probability in [0, 1] per node")
+        return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs)
+
+
+class DraftSource(abc.ABC):
+    """Something that proposes draft candidates for a batch of requests.
+
+    Subclasses implement `propose`; `open`, `extend` and `close` let a
+    stateful source follow each request (the default ignores them). A source
+    that raises, or returns malformed candidates, costs only that step's
+    drafts of the requests concerned: the engine logs it and decodes them
+    plainly.
+
+    Attributes:
+        name: reported in per-source acceptance metrics.
+        discount: the source's weight in the merge (scale, depth decay).
+    """
+
+    name: str = "custom"
+    discount: SourceDiscount = SourceDiscount()
+
+    def open(self, request_id: int, prompt: np.ndarray) -> None:
+        """A request starts, with its prompt."""
+
+    def extend(self, request_id: int, tokens: np.ndarray) -> None:
+        """Tokens the target produced were appended to a request."""
+
+    def close(self, request_id: int) -> None:
+        """A request ended."""
+
+    @abc.abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> Sequence[Candidates | None]:
+        """One proposal (or None) per request, in order."""
+
+
+class RetrievalSource:
+    """SSSD's own drafting: the datastore and the request's tokens (an input trie).
+
+    It is also the merge: other sources' candidates join its priority queue.
+    Not a DraftSource subclass: its candidates never leave C++.
+
+    Args:
+        datastore: a Datastore, a directory, "default", or None (the request's tokens only).
+        config: a DrafterConfig (its discounts weigh every source).
+    """
+
+    name = "retrieval"
+
+    def __init__(self, datastore: Any = "default", config: Any = None, **overrides: Any):
+        self.datastore = datastore
+        self.config = config
+        self.overrides = overrides
+
+
+def parse_spec(spec: str | DraftSource | RetrievalSource) -> DraftSource | RetrievalSource | tuple[str, str]:
+    """A DraftSource, RetrievalSource, or (kind, argument) for a spec string.
+
+    Raises:
+        ValueError: an unknown kind (the message lists the known ones) or a malformed spec.
+    """
+    if isinstance(spec, (DraftSource, RetrievalSource)):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a draft source is a DraftSource or a spec string, got {type(spec).__name__}")
+    text = spec.strip()
+    kind, _, arg = text.partition(":")
+    known = ", ".join(SPEC_KINDS)
+    if kind == "retrieval" and not arg:
+        return ("retrieval", "")
+    if kind == "model" and arg:
+        return ("model", arg)
+    if kind == "self" and arg in ("streamingllm", "snapkv"):
+        return ("self", arg)
+    if kind in ("model", "self", "retrieval"):
+        raise ValueError(f"malformed draft source {spec!r}; the kinds are: {known}")
+    raise ValueError(f"unknown draft source {spec!r}; the kinds are: {known}")
+
+
+def parse_specs(draft: Sequence[str | DraftSource] | str | None) -> list:
+    """Parses a list of sources (or one comma-separated string, as `sssd serve --draft` takes)."""
+    if draft is None:
+        return []
+    if isinstance(draft, str):
+        draft = [s for s in draft.split(",") if s.strip()] if draft.strip() else []
+    out = [parse_spec(s) for s in draft]
+    names = [("retrieval" if isinstance(s, (tuple,)) and s[0] == "retrieval" or isinstance(s, RetrievalSource)
+              else None) for s in out]
+    if names.count("retrieval") > 1:
+        raise ValueError("retrieval is listed twice")
+    return out
+
+
+class DraftPipeline:
+    """The drafting stage of an engine: every source for a batch, merged into one tree per request.
+
+    Retrieval, when listed, drafts and merges in one C++ call; other sources'
+    candidates join its queue as external candidates. Without retrieval a
+    merge-only drafter does the same. A source that fails (raises, or
+    proposes malformed candidates) loses that step's proposals for the
+    requests concerned, with a log line; the other sources and requests go on.
+
+    Args:
+        sources: RetrievalSource and DraftSource objects (parse_specs resolved).
+        config: the DrafterConfig (retrieval parameters and discounts).
+        vocab_size: the target's vocabulary (candidate ids must be below it).
+    """
+
+    def __init__(self, sources: Sequence[Any], config: Any, vocab_size: int | None = None):
+        from sssd.drafter import Drafter, resolve_datastore
+
+        self.vocab_size = vocab_size
+        self.external: list[DraftSource] = [s for s in sources if isinstance(s, DraftSource)]
+        retrieval = [s for s in sources if isinstance(s, RetrievalSource)]
+        cfg = config.replace(vocab_size=vocab_size) if vocab_size else config
+        if retrieval:
+            r = retrieval[0]
+            cfg = cfg.replace(**r.overrides) if r.overrides else cfg
+            ds = resolve_datastore(r.datastore) if cfg.use_datastore else None
+            self.datastore = ds
+            self.drafter = Drafter(ds, cfg.replace(use_datastore=ds is not None))
+        else:
+            self.datastore = None
+            self.drafter = Drafter(None, cfg.replace(use_datastore=False, use_input=False))
+        self.retrieval = bool(retrieval)
+        names = {0: "datastore", 1: "input"}
+        if self.external:
+            names[2] = self.external[0].name if len(self.external) == 1 else "external"
+        self.source_names = names
+        self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
+
+    def __bool__(self) -> bool:
+        return self.retrieval or bool(self.external)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self.drafter
+
+    def __len__(self) -> int:
+        return len(self.drafter)
+
+    def open(self, request_id: int, prompt: np.ndarray) -> None:
+        self.drafter.open(request_id, prompt)
+        for i, s in enumerate(self.external):
+            self._call(i, s.open, request_id, prompt)
+
+    def extend_batch(self, request_ids: Sequence[int], tokens: Sequence[np.ndarray]) -> None:
+        self.drafter.extend_batch(request_ids, tokens)
+        for i, s in enumerate(self.external):
+            for rid, t in zip(request_ids, tokens):
+                if (i, rid) not in self._failed:
+                    self._call(i, s.extend, rid, t)
+
+    def close(self, request_id: int) -> None:
+        if request_id in self.drafter:
+            self.drafter.close(request_id)
+        for i, s in enumerate(self.external):
+            self._call(i, s.close, request_id)
+            self._failed.discard((i, request_id))
+
+    def _call(self, i: int, fn, request_id: int, *args) -> None:
+        try:
+            fn(request_id, *args)
+        except Exception as e:  # noqa: BLE001 - a source's failure costs its own drafts only
+            log.warning("draft source %r failed for request %s (%s); it skips that request from now on",
+                        self.external[i].name, request_id, e)
+            self._failed.add((i, request_id))
+
+    def draft(self, requests: Sequence[DraftRequest]):
+        """One merged DraftBatch for the requests (budgets 0: empty trees)."""
+        from sssd.tree import DraftBatch
+
+        ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
+        budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
+        external = None
+        if self.external:
+            per_request: list[list[Candidates]] = [[] for _ in requests]
+            for i, s in enumerate(self.external):
+                asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
+                if not asked:
+                    continue
+                try:
+                    got = list(s.propose(asked))
+                    if len(got) != len(asked):
+                        raise ValueError(f"returned {len(got)} proposals for {len(asked)} requests")
+                except Exception as e:  # noqa: BLE001
+                    log.warning("draft source %r failed this step (%s); drafting without it", s.name, e)
+                    continue
+                where = {r.request_id: k for k, r in enumerate(requests)}
+                for r, c in zip(asked, got):
+                    if c is None:
+                        continue
+                    try:
+                        per_request[where[r.request_id]].append(c.check(self.vocab_size))
+                    except (ValueError, TypeError) as e:
+                        log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
+                                    s.name, r.request_id, e)
+            external = _concat_candidates(per_request, DraftBatch)
+        return self.drafter.draft(ids, budgets, external)
+
+
+def _concat_candidates(per_request: list[list[Candidates]], DraftBatch):
+    """One external tree per request: its sources' proposals side by side under the root."""
+    toks, pars, probs, sizes = [], [], [], []
+    for cands in per_request:
+        n0 = 0
+        for c in cands:
+            toks.append(c.tokens)
+            pars.append(np.where(c.parents >= 0, c.parents + n0, -1).astype(np.int32))
+            # without a real probability a candidate ranks as probability 1 (times the source's discount)
+            probs.append(c.probs if c.probs is not None else np.ones(len(c.tokens), np.float32))
+            n0 += len(c.tokens)
+        sizes.append(n0)
+    n = int(sum(sizes))
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    tokens = cat(toks, np.int64)
+    draft_probs = cat(probs, np.float32)
+    return DraftBatch(offsets, tokens, cat(pars, np.int32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                      np.full(n, 2, np.uint8), draft_probs)
+
+
+__all__ = ["Candidates", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS", "parse_spec", "parse_specs"]
