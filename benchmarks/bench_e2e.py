@@ -111,7 +111,7 @@ def main() -> int:
                          config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads))
         plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, speculate=False,
                                                                        threads=args.threads))
-        name = Path(spec.runner.info.path).name
+        name = Path(spec.backend.info.path).name
         if spec.planner.profile is not None:
             print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
         curves[name] = []
@@ -131,7 +131,7 @@ def main() -> int:
                 row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "sssd": s, "plain": p,
                        "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3), "identical": same, "budgets": budgets}
                 if B == 1 and not args.no_hf:
-                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.runner.info.path), spec, prompts, args.max_tokens,
+                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.backend.info.path), spec, prompts, args.max_tokens,
                                                               [o.token_ids for o in po])
                 rec.add(**row)
                 curves[name].append(row)

@@ -423,7 +423,7 @@ def _generate_engine(model: str | os.PathLike, records: list[PromptRecord], out_
                      batch_size: int, progress: bool, log: Log) -> Summary:
     """``generate`` through SSSD's engine: rounds of ``batch_size`` prompts, each round one
     continuous batch (records that follow another record's output wait for a later round)."""
-    from sssd.llm import LLM
+    from sssd.serving.llm import LLM
     from sssd.models import resolve_model
     from sssd.serving.params import SamplingParams
     from sssd.tokenizer import load_tokenizer
@@ -431,7 +431,7 @@ def _generate_engine(model: str | os.PathLike, records: list[PromptRecord], out_
     folder = resolve_model(model, log=log)
     llm = LLM(str(folder), datastore=_drafting_datastore(folder, log), dtype=dtype, threads=threads, max_running=batch_size)
     tokenizer = llm.get_tokenizer()
-    stops = stop_ids(tokenizer, llm.engine.runner.model)
+    stops = stop_ids(tokenizer, llm.engine.backend.model)
     if not stops:
         raise ValueError(f"model {folder} has no EOS or end-of-turn token to stop at")
     header = _header(dataset, model, folder, load_tokenizer(folder), {

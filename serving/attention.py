@@ -50,7 +50,7 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     [B, H_kv, T, D], a boolean mask [B, 1, T, S] (True = visible); returns [B, T, H, D]."""
     step: PoolStep | None = kwargs.get(STEP_KWARG)
     if step is None:
-        raise RuntimeError(f"the {ATTENTION!r} attention runs only inside ModelRunner.forward (no {STEP_KWARG} given)")
+        raise RuntimeError(f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)")
     k, v = step.update(key, value, module.layer_idx)
     groups = query.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)

@@ -5,20 +5,24 @@ Every call to step() is one iteration of an Orca-style loop:
 1. admit waiting requests into free KV slots;
 2. prefill: write the next chunk of prompts into their slots (a bounded
    number of prompt tokens per step, so long prompts never stall decoding);
-3. decode: draft a tree for every decoding request (one batched SSSD call),
-   verify all trees in one forward pass, keep each request's accepted path
-   in its KV slot, emit accepted tokens + the target's bonus token, and
-   retire finished requests.
+3. decode one speculative step for every decoding request, in three phases:
+   * prepare (CPU): choose the budget, draft a tree per request from every
+     draft source (one batched merge), pack the trees;
+   * launch: the backend's forward pass over all trees at once;
+   * finish: accept (vectorised over the batch), move every accepted path's
+     KV into place in one operation, emit tokens, update the drafters.
+   The split lets a later step's drafting overlap a forward pass.
 
-The KV pool keeps decoding requests in slots [0, d) and prefilling ones in
-[d, n) (see kv_cache.py), so both passes read their keys without gathers.
+The engine knows the target only through its VerifierBackend (backend.py):
+slots, forward passes, compaction and a cost profile. The KV pool keeps
+decoding requests in slots [0, d) and prefilling ones in [d, n), so both
+passes read their keys without gathers.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -30,12 +34,28 @@ import numpy as np
 import torch
 
 import sssd
-from sssd.config import SOURCE_NAMES
+from sssd.serving.acceptance import Sampler, accept_greedy, accept_sampled
+from sssd.serving.backend import VerifierBackend
+from sssd.serving.detokenizer import Detokenizer
 from sssd.serving.metrics import Histogram
-from sssd.serving.model_runner import ModelRunner
 from sssd.serving.params import SamplingParams
 from sssd.serving.sequence import Request, Status
-from sssd.serving.verify import children_of, greedy_walk, pack_chunks, pack_trees, sample_walk
+from sssd.serving.tree_batch import NO_SOURCE, TreeBatch, pack, pack_chain
+from sssd.sources import DraftPipeline, DraftRequest, DraftSource, RetrievalSource, parse_specs
+
+log = logging.getLogger("sssd.serving")
+
+#: Request ids are 63-bit non-negative ints everywhere (the API, the engine, the drafter).
+MAX_REQUEST_ID = 2**63 - 1
+#: Prompts longer than this many characters per servable token are judged on a prefix first
+#: (tokenizing megabytes only to refuse them would stall the caller for seconds).
+PROBE_CHARS_PER_TOKEN = 8
+#: What the engine drafts with unless told otherwise.
+DEFAULT_DRAFT = ("retrieval",)
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt (or the prompt plus max_tokens) does not fit in the model's context."""
 
 
 @dataclass(frozen=True)
@@ -90,18 +110,18 @@ class RequestOutput:
     error: str | None = None  # the reason, when finish_reason is "error"
 
 
-log = logging.getLogger("sssd.serving")
+@dataclass
+class StepPlan:
+    """A decode step prepared on the CPU, ready to launch."""
 
-
-class ContextLengthExceeded(ValueError):
-    """The prompt (or the prompt plus max_tokens) does not fit in the model's context."""
-
-
-#: Request ids are 63-bit non-negative ints everywhere (the API, the engine, the drafter).
-MAX_REQUEST_ID = 2**63 - 1
-#: Prompts longer than this many characters per servable token are judged on a prefix first
-#: (tokenizing megabytes only to refuse them would stall the caller for seconds).
-PROBE_CHARS_PER_TOKEN = 8
+    requests: list[Request]
+    budget: int              # the planner's budget for this batch size
+    budgets: np.ndarray      # [B] per request (0: not drafting)
+    batch: TreeBatch
+    greedy: np.ndarray       # [B] bool
+    started: float           # perf_counter at prepare's start
+    draft_seconds: float
+    launched: float = 0.0    # perf_counter when the forward pass started
 
 
 def _log(msg: str) -> None:
@@ -111,57 +131,82 @@ def _log(msg: str) -> None:
 
 
 class LLMEngine:
-    """Continuous-batching engine over one Hugging Face causal LM.
+    """Continuous-batching engine over one target model.
 
     Args:
         model: a local model folder (or a name from `sssd models list`).
-        datastore: a Datastore, a directory, "default", or None (input-only drafting).
+        datastore: retrieval's datastore: a Datastore, a directory, "default", or None
+            (the request's own tokens only).
         drafter: a DrafterConfig, or a path to a config / `sssd calibrate` file.
         config: EngineConfig.
+        draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
+            DraftSource objects; [] decodes plainly with the same engine.
+        backend: a VerifierBackend to verify with (default: a TorchBackend of `model`).
     """
 
     def __init__(self, model: str | Path, datastore: Any = "default", drafter: Any = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, draft: Sequence[str | DraftSource] | str | None = DEFAULT_DRAFT,
+                 backend: VerifierBackend | None = None):
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
         path = _resolve_model(model)
-        self.runner = ModelRunner(path, dtype=self.config.dtype, device=self.config.device, threads=self.config.threads)
+        if backend is None:
+            from transformers import AutoConfig
+
+            positions = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
+            capacity = min(self.config.max_model_len, int(positions)) if positions else self.config.max_model_len
+            from sssd.serving.torch_backend import TorchBackend
+
+            backend = TorchBackend(path, slots=self.config.max_running, capacity=capacity, dtype=self.config.dtype,
+                                   device=self.config.device, threads=self.config.threads)
+        self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        info = self.runner.info
+        info = backend.info
         self.eos_ids = set(info.eos_token_ids) or ({self.tokenizer.eos_token_id} - {None})
-        self.max_model_len = min(self.config.max_model_len, info.max_positions)
-        self.pool = self.runner.new_pool(self.config.max_running, self.max_model_len)
+        self.max_model_len = min(self.config.max_model_len, info.max_positions, backend.capacity)
         self.drafter_source = str(drafter) if isinstance(drafter, (str, Path)) else None
         self.drafter_config = _drafter_config(drafter)
-        self.drafter: sssd.Drafter | None = None
-        if self.config.speculate:
+        self.drafting: DraftPipeline | None = None
+        sources = self._sources(draft if self.config.speculate else [], datastore, path)
+        if sources:
             eos = min(self.eos_ids) if self.eos_ids else None
-            dcfg = self.drafter_config.replace(vocab_size=info.vocab_size, end_token=self.drafter_config.end_token
+            dcfg = self.drafter_config.replace(end_token=self.drafter_config.end_token
                                                if self.drafter_config.end_token is not None else eos)
-            ds = sssd.drafter.resolve_datastore(datastore) if dcfg.use_datastore else None
-            if ds is not None and ds.manifest.get("tokenizer"):
-                # A datastore built by `sssd build` records its tokenizer: it must be the model's.
-                from sssd.tokenizer import check_compatible
-
-                check_compatible(ds, path)
-            if ds is not None and int(ds.manifest.get("vocab_size", 0)) > info.vocab_size:
-                raise ValueError(f"the datastore {ds.path} holds token ids up to {int(ds.manifest['vocab_size']) - 1}, "
-                                 f"beyond the model's vocabulary ({info.vocab_size} ids): it was built with another "
-                                 f"tokenizer; rebuild it with the model's (sssd build -t {path})")
-            self.drafter = sssd.Drafter(ds, dcfg.replace(use_datastore=ds is not None))
+            self.drafting = DraftPipeline(sources, dcfg, vocab_size=info.vocab_size)
+            ds = self.drafting.datastore
             if ds is not None:
+                _check_datastore(ds, path, info.vocab_size)
                 ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
         from sssd.serving.planner import BudgetPlanner
 
-        self.planner = BudgetPlanner.for_engine(self, log=_log)
+        self.planner = BudgetPlanner.create(self.config, speculate=self.drafting is not None,
+                                            drafter_file=self.drafter_source, profile=self._profile)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request] = []   # slots[:num_decode] decode, the rest prefill
         self.num_decode = 0
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
+        self._generator = torch.Generator(device="cpu")
+        self._generator.seed()
         self.step_count = 0
         self.metrics = EngineMetrics()
+
+    def _profile(self):
+        return self.backend.profile(log=_log, force=self.config.reprofile)
+
+    def _sources(self, draft, datastore: Any, model_path: Path) -> list:
+        out = []
+        for spec in parse_specs(draft):
+            if isinstance(spec, tuple):
+                kind, arg = spec
+                if kind == "retrieval":
+                    out.append(RetrievalSource(datastore, self.drafter_config))
+                    continue
+                raise ValueError(f"the draft source '{kind}:{arg}' is not available in this version of sssd "
+                                 f"(available: retrieval, or your own sssd.DraftSource)")
+            out.append(spec)
+        return out
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None,
@@ -186,18 +231,20 @@ class LLMEngine:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.runner.info.vocab_size]
+        vocab = self.backend.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary ({self.runner.info.vocab_size})")
+            raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary ({vocab})")
         room = self.max_model_len - len(ids) - self._max_tree()
         if room < 1:
             raise ContextLengthExceeded(f"the prompt has {len(ids)} tokens; this engine serves at most "
-                             f"{self.max_prompt_tokens} (max_model_len {self.max_model_len})")
+                                        f"{self.max_prompt_tokens} (max_model_len {self.max_model_len})")
         if params.max_tokens > room:
             if not clip_max_tokens:
-                raise ContextLengthExceeded(f"max_tokens {params.max_tokens} does not fit: the prompt has {len(ids)} tokens and "
-                                 f"this engine serves at most {self.max_model_len - self._max_tree()} in all "
-                                 f"(max_model_len {self.max_model_len}); ask for at most {room}")
+                raise ContextLengthExceeded(
+                    f"max_tokens {params.max_tokens} does not fit: the prompt has {len(ids)} tokens and this engine "
+                    f"serves at most {self.max_model_len - self._max_tree()} in all (max_model_len "
+                    f"{self.max_model_len}); ask for at most {room}")
             params = _replace(params, max_tokens=room)
         rid = self._new_id() if request_id is None else int(request_id)
         if rid in self.requests:
@@ -205,6 +252,7 @@ class LLMEngine:
         req = Request(rid, list(ids), params, time.monotonic())
         if params.seed is not None:
             req.generator = torch.Generator(device="cpu").manual_seed(params.seed % 2**64)
+        req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -245,7 +293,8 @@ class LLMEngine:
         if self.num_decode < len(self.slots):
             self._prefill()
         if self.num_decode:
-            self._decode()
+            plan = self.prepare()
+            self.finish(plan, self.launch(plan))
         self.step_count += 1
         return self.collect_outputs()
 
@@ -297,13 +346,13 @@ class LLMEngine:
 
     # -- slots -----------------------------------------------------------------------
     def _max_tree(self) -> int:
-        return 1 + (self.planner.max_budget if self.config.speculate else 0)
+        return 1 + (self.planner.max_budget if self.drafting is not None else 0)
 
     def _swap(self, a: int, b: int) -> None:
         if a == b:
             return
         ra, rb = self.slots[a], self.slots[b]
-        self.pool.swap(a, b, max(ra.cached, rb.cached))
+        self.backend.swap(a, b, max(ra.cached, rb.cached))
         self.slots[a], self.slots[b] = rb, ra
         ra.slot, rb.slot = b, a
 
@@ -315,17 +364,17 @@ class LLMEngine:
             req.slot = len(self.slots)
             req.status = Status.PREFILL
             self.slots.append(req)
-            if self.drafter is not None:
+            if self.drafting is not None:
                 self._open_draft(req)
             if req.prompt_len == 1:
                 self._promote(req)
 
-    def _open_draft(self, req: Request, tokens: Sequence[int] | None = None) -> None:
-        """(Re)opens the request's drafter state; on failure it decodes without drafts."""
+    def _open_draft(self, req: Request) -> None:
+        """(Re)opens the request's drafter state from its tokens; on failure it decodes without drafts."""
         try:
-            if req.id in self.drafter:
-                self.drafter.close(req.id)
-            self.drafter.open(req.id, req.prompt_ids if tokens is None else tokens)
+            if req.id in self.drafting:
+                self.drafting.close(req.id)
+            self.drafting.open(req.id, req.history())
             req.draft = True
         except Exception as e:  # noqa: BLE001 - drafting is an optimisation: never fail the request over it
             log.warning("request %s: drafting disabled (%s)", req.id, e)
@@ -358,9 +407,9 @@ class LLMEngine:
             self.waiting.remove(req)
         if retire:
             self._retire(req)
-        if self.drafter is not None and req.id in self.drafter:
+        if self.drafting is not None:
             try:
-                self.drafter.close(req.id)
+                self.drafting.close(req.id)
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s: closing its drafter state failed (%s)", req.id, e)
         req.status = Status.FINISHED
@@ -384,131 +433,151 @@ class LLMEngine:
         if not rows:
             return
         t0 = time.perf_counter()
-        packed = pack_chunks(cached, chunks)
-        self.runner.forward(self.pool, slice(self.num_decode, self.num_decode + len(rows)), packed)
-        self.metrics.prefill(int(packed.sizes.sum()), time.perf_counter() - t0)
+        batch = pack_chain(np.asarray(cached), chunks)
+        self.backend.prefill(slice(self.num_decode, self.num_decode + len(rows)), batch)
+        self.metrics.prefill(int(batch.sizes.sum()), time.perf_counter() - t0)
         for req, chunk in zip(rows, chunks):
             req.cached += len(chunk)
             if req.cached == req.prompt_len - 1:
                 self._promote(req)
 
-    # -- decode --------------------------------------------------------------------------
-    def _decode(self) -> None:
-        """One speculative step for every decoding request.
-
-        Shared work (the forward pass) failing fails the step; a failure that
-        belongs to one request (its draft, its sampling, its stop check) finishes
-        that request with an error and the others go on; a drafter failure only
-        costs that step's drafts.
-        """
+    # -- decode: prepare, launch, finish ----------------------------------------------------
+    def prepare(self) -> StepPlan:
+        """Chooses the budget, drafts every decoding request's tree, packs them (CPU only)."""
         reqs = self.slots[: self.num_decode]
         B = len(reqs)
-        budget = self.planner.budget(B) if self.drafter is not None else 0
-        budgets = np.array([budget if r.params.speculate and r.draft else 0 for r in reqs], dtype=np.int32)
         t0 = time.perf_counter()
-        trees = self._draft(reqs, budgets)
+        budget = self.planner.budget(B) if self.drafting is not None else 0
+        budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
+        drafts, use = (self._draft(reqs, budgets) if budgets.any() else (None, None))
         t_draft = time.perf_counter() - t0
-        packed = pack_trees([r.tokens[-1] for r in reqs], [r.cached for r in reqs], trees)
-        hidden = self.runner.forward(self.pool, slice(0, B), packed)
-        # next-token logits at every real node of every row
-        sizes = packed.sizes
-        rows = np.repeat(np.arange(B), sizes)
-        cols = np.concatenate([np.arange(n) for n in sizes])
-        logits = self.runner.logits(hidden[torch.from_numpy(rows), torch.from_numpy(cols)])
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
-        argmax = logits.argmax(dim=-1).cpu().numpy() if greedy_rows else None
-        t_forward = time.perf_counter() - t0 - t_draft
+        batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
+                     np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B), drafts, use)
+        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
+        return StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft)
+
+    def launch(self, plan: StepPlan) -> Any:
+        """Starts the forward pass over the plan's trees."""
+        plan.launched = time.perf_counter()
+        return self.backend.launch(slice(0, len(plan.requests)), plan.batch, plan.greedy)
+
+    def finish(self, plan: StepPlan, handle: Any) -> None:
+        """Accepts, compacts the KV cache, emits tokens and updates the drafters.
+
+        Shared work (the forward pass) failing fails the step; a failure that belongs
+        to one request (its sampling, its stop check, its output) finishes that request
+        with an error and the others go on.
+        """
+        out = self.backend.collect(handle)
+        t_forward = time.perf_counter() - plan.launched
+        reqs, batch = plan.requests, plan.batch
+        B = len(reqs)
+        node = np.zeros(B, dtype=np.int64)
+        count = np.zeros(B, dtype=np.int64)
+        bonus = np.zeros(B, dtype=np.int64)
+        errors: dict[int, str] = {}
+        g = np.flatnonzero(plan.greedy)
+        if g.size:
+            acc = accept_greedy(batch, out.argmax, g)
+            node[g], count[g], bonus[g] = acc.node, acc.count, acc.bonus
+        s = np.flatnonzero(~plan.greedy)
+        if s.size:
+            samplers = [Sampler(reqs[b].params.temperature, reqs[b].params.top_k, reqs[b].params.top_p,
+                                reqs[b].generator) for b in s]
+            logits, index = out.logits, out.logit_index
+            acc, errs = accept_sampled(batch, s, samplers,
+                                       lambda rows, idx: logits[torch.from_numpy(index[rows, idx])], self._generator)
+            node[s], count[s], bonus[s] = acc.node, acc.count, acc.bonus
+            errors.update({int(s[j]): e for j, e in enumerate(errs) if e})
+        # every accepted path's K/V down to consecutive positions, in one move
+        path = batch.ancestors[np.arange(B), node]
+        path[:, 0] = False
+        for b in errors:
+            path[b] = False
+        pb, pi = np.nonzero(path)
+        rank = (np.cumsum(path, axis=1) - 1)[pb, pi]
+        src, dst = batch.cached[pb] + pi, batch.cached[pb] + 1 + rank
+        moved = src != dst
+        if moved.any():
+            self.backend.compact(pb[moved], src[moved], dst[moved])
+            self.metrics.kv_moves += int(np.unique(pb[moved]).size)
+        path_tokens = np.split(batch.tokens[pb, pi], np.cumsum(np.bincount(pb, minlength=B))[:-1])
+        path_sources = np.split(batch.sources[pb, pi], np.cumsum(np.bincount(pb, minlength=B))[:-1])
+        names = self.drafting.source_names if self.drafting is not None else {}
         emitted: dict[int, list[int]] = {}
         accepted = []
         for b, req in enumerate(reqs):
+            if b in errors:
+                self._finish(req, "error", retire=False, error=errors[b])
+                accepted.append(0)
+                continue
             try:
-                a = self._accept(req, b, trees[b], packed, logits, argmax, offsets, budgets)
-                emitted[req.id] = self._emit(req, req.tokens_pending)
+                a = int(count[b])
+                req.cached += 1 + a
+                st = req.stats
+                st.steps += 1
+                st.drafted += int(batch.sizes[b]) - 1
+                st.accepted += a
+                st.accepted_per_step.append(a)
+                st.budgets.append(int(plan.budgets[b]))
+                for src_tag in path_sources[b].tolist():
+                    if src_tag != NO_SOURCE:
+                        name = names.get(src_tag, "external")
+                        st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
+                        self.metrics.accepted_by_source[name] = self.metrics.accepted_by_source.get(name, 0) + 1
+                emitted[req.id] = self._emit(req, path_tokens[b].tolist() + [int(bonus[b])])
+                accepted.append(a)
             except Exception as e:  # noqa: BLE001 - this request's failure is this request's alone
                 log.exception("request %s failed in its decode step", req.id)
                 self._finish(req, "error", retire=False, error=f"{type(e).__name__}: {e}")
-                a = 0
-            accepted.append(a)
+                accepted.append(0)
         for req in reqs:  # slots move only now that every row is done
             if req.finished:
                 self._retire(req)
         n_emitted = sum(len(v) for v in emitted.values())
-        self.metrics.decode_step(B, int(packed.sizes.sum()), int(budgets.max()) if B else 0, t_draft, t_forward,
-                                 n_emitted, accepted)
-        if self.drafter is not None:
+        self.metrics.decode_step(B, int(batch.sizes.sum()), plan.budget, plan.draft_seconds, t_forward, n_emitted,
+                                 accepted)
+        if self.drafting is not None:
             live = [(rid, toks) for rid, toks in emitted.items()
                     if toks and not self.requests[rid].finished and self.requests[rid].draft]
             if live:
                 try:
-                    self.drafter.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
+                    self.drafting.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
                 except Exception as e:  # noqa: BLE001 - rebuild each state from the request's own tokens
                     log.warning("drafter update failed (%s); reopening the requests' drafter states", e)
                     for rid, _ in live:
-                        self._open_draft(self.requests[rid], self.requests[rid].tokens)
-        self.planner.observe(B, budget, time.perf_counter() - t0, n_emitted)  # the whole step, as the client sees it
+                        self._open_draft(self.requests[rid])
+        self.planner.observe(B, plan.budget, time.perf_counter() - plan.started, n_emitted)
 
-    def _draft(self, reqs: list[Request], budgets: np.ndarray) -> list[sssd.DraftTree | None]:
-        """Each request's draft tree (None: none). A drafter failure, or a tree holding ids the
-        model does not know, costs only drafts: those rows decode plainly this step."""
-        trees: list[sssd.DraftTree | None] = [None] * len(reqs)
-        if not budgets.any():
-            return trees
+    def _draft(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None]:
+        """The merged drafts of the batch, and which rows may use theirs. A drafting failure,
+        or a tree holding ids the model does not know, costs only drafts: those rows decode
+        plainly this step."""
         try:
-            batch = self.drafter.draft([r.id for r in reqs], budgets)
+            drafts = self.drafting.draft([DraftRequest(r.id, r.history(), int(b)) for r, b in zip(reqs, budgets)])
         except Exception as e:  # noqa: BLE001
             log.warning("drafting failed for this step (%s); decoding without drafts", e)
-            return trees
-        vocab = self.runner.info.vocab_size
-        for b in range(len(reqs)):
-            if budgets[b]:
-                tree = batch[b]
-                if len(tree) and int(tree.tokens.max()) >= vocab:
+            return None, None
+        sizes = np.diff(drafts.offsets)
+        use = budgets > 0
+        if drafts.tokens.size:
+            nonempty = sizes > 0
+            top = np.zeros(len(reqs), dtype=np.int64)
+            top[nonempty] = np.maximum.reduceat(drafts.tokens, drafts.offsets[:-1][nonempty])
+            bad = top >= self.backend.info.vocab_size
+            if bad.any():
+                for b in np.flatnonzero(bad):
                     log.warning("request %s: the draft holds token id %d outside the model's vocabulary (%d); "
-                                "dropped", reqs[b].id, int(tree.tokens.max()), vocab)
-                    continue
-                trees[b] = tree
-        return trees
-
-    def _accept(self, req: Request, b: int, tree: sssd.DraftTree | None, packed, logits: torch.Tensor,
-                argmax: np.ndarray | None, offsets: np.ndarray, budgets: np.ndarray) -> int:
-        """Verifies row b's tree: moves the accepted path's K/V into place, records the
-        tokens to emit (req.tokens_pending) and the statistics; returns the accepted count."""
-        children = children_of(tree)
-        size = int(packed.sizes[b])
-        lo = int(offsets[b])
-        if req.params.greedy:
-            path, bonus = greedy_walk(argmax[lo : lo + size], children)
-        else:
-            p = req.params
-            path, bonus = sample_walk(lambda i: logits[lo + i], children, p.temperature, p.top_k, p.top_p,
-                                      req.generator)
-        a = len(path)
-        if a and path != list(range(1, a + 1)):
-            src = torch.tensor(path, dtype=torch.long) + req.cached
-            dst = torch.arange(1, a + 1, dtype=torch.long) + req.cached
-            self.pool.move(req.slot, src.to(self.runner.device), dst.to(self.runner.device))
-            self.metrics.kv_moves += 1
-        req.cached += 1 + a
-        req.tokens_pending = [int(packed.tokens[b, i]) for i in path] + [bonus]
-        st = req.stats
-        st.steps += 1
-        st.drafted += size - 1
-        st.accepted += a
-        st.accepted_per_step.append(a)
-        st.budgets.append(int(budgets[b]))
-        for i in path:
-            name = SOURCE_NAMES[int(tree.sources[i - 1])]
-            st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
-            self.metrics.accepted_by_source[name] = self.metrics.accepted_by_source.get(name, 0) + 1
-        return a
+                                "dropped", reqs[b].id, int(top[b]), self.backend.info.vocab_size)
+                use &= ~bad
+        return drafts, use
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Appends tokens one by one, honouring stop conditions; returns those kept."""
         kept = []
         p = req.params
         for tok in new:
-            req.tokens.append(tok)
+            req.append(tok)
             kept.append(tok)
             req.new_token_count += 1
             if req.first_token_time is None:
@@ -516,7 +585,7 @@ class LLMEngine:
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(req, "stop", retire=False)
                 break
-            if p.stop and self._hit_stop_string(req):
+            if req.detok.add(tok):
                 self._finish(req, "stop", retire=False)
                 break
             if len(req.tokens) - req.prompt_len >= p.max_tokens:
@@ -524,22 +593,11 @@ class LLMEngine:
                 break
         return kept
 
-    def _hit_stop_string(self, req: Request) -> bool:
-        """True (and the text cut before it) once the output text holds a stop string."""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        start = max(0, req.stop_check_from - max(len(s) for s in req.params.stop))
-        hits = [i for i in (text.find(s, start) for s in req.params.stop) if i >= 0]
-        req.stop_check_from = len(text)
-        if hits:
-            req.stop_text = text[: min(hits)]
-            return True
-        return False
-
     # -- outputs ---------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids
         new_ids = ids[len(ids) - req.new_token_count :] if req.new_token_count else []
-        req.text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        req.text = req.detok.finish() if req.finished else req.detok.text
         new_text = _stream_delta(req)
         req.new_token_count = 0
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "finish": req.finish_time}
@@ -623,11 +681,21 @@ def _resolve_model(model: str | Path) -> Path:
     p = Path(model).expanduser()
     if (p / "config.json").is_file():
         return p
-    try:
-        from sssd.models import resolve_model
-    except ImportError:  # pragma: no cover - the models module ships with sssd
-        raise ValueError(f"{model} is not a model folder") from None
+    from sssd.models import resolve_model
+
     return Path(resolve_model(str(model)))
+
+
+def _check_datastore(ds: Any, model_path: Path, vocab_size: int) -> None:
+    """A datastore must speak the model's tokens: the tokenizer it records, and its largest id."""
+    if ds.manifest.get("tokenizer"):
+        from sssd.tokenizer import check_compatible
+
+        check_compatible(ds, model_path)
+    if int(ds.manifest.get("vocab_size", 0)) > vocab_size:
+        raise ValueError(f"the datastore {ds.path} holds token ids up to {int(ds.manifest['vocab_size']) - 1}, "
+                         f"beyond the model's vocabulary ({vocab_size} ids): it was built with another "
+                         f"tokenizer; rebuild it with the model's (sssd build -t {model_path})")
 
 
 def _drafter_config(drafter: Any) -> sssd.DrafterConfig:
@@ -657,6 +725,8 @@ class EngineMetrics:
         self.finished_requests = 0
         self.finish_reasons: dict[str, int] = {}
         self.kv_moves = 0               # accepted paths that were not the first branch (moved in the cache)
+        self.draft_seconds = 0.0        # totals, for the engine-overhead benchmark
+        self.forward_seconds = 0.0
 
     def prefill(self, tokens: int, seconds: float) -> None:
         self.prefill_tokens += tokens
@@ -676,6 +746,8 @@ class EngineMetrics:
                 self.accepted_per_pos[pos] = self.accepted_per_pos.get(pos, 0) + 1
         self.draft_time.observe(t_draft)
         self.step_time.observe(t_draft + t_forward)
+        self.draft_seconds += t_draft
+        self.forward_seconds += t_forward
 
     def finished(self, req: Request) -> None:
         self.finished_requests += 1

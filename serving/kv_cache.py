@@ -1,7 +1,9 @@
 """KV cache for the engine: a pool of per-request slots, kept dense.
 
-Every layer holds K and V as [slots, kv_heads, capacity, head_dim] tensors.
-The running requests occupy slots 0..n-1, decoding ones first (0..d-1) and
+K and V of every layer live in one tensor [layers, 2, slots, kv_heads,
+capacity, head_dim], so that moving entries (compacting accepted paths,
+swapping slots) is one gather and one scatter for all layers at once. The
+running requests occupy slots 0..n-1, decoding ones first (0..d-1) and
 prefilling ones after them (d..n-1), so that a forward pass over either
 group reads its keys as a plain slice (a view, no gather). Admitting,
 promoting (prefill -> decode) and retiring requests keep that order by
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,9 +40,10 @@ class KVPool:
 
     def __init__(self, shape: PoolShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.shape = shape
-        s = (shape.slots, shape.kv_heads, shape.capacity, shape.head_dim)
-        self.k = [torch.zeros(s, dtype=dtype, device=device) for _ in range(shape.layers)]
-        self.v = [torch.zeros(s, dtype=dtype, device=device) for _ in range(shape.layers)]
+        self.kv = torch.zeros((shape.layers, 2, shape.slots, shape.kv_heads, shape.capacity, shape.head_dim),
+                              dtype=dtype, device=device)
+        # every layer's K and V as rows of one matrix: [layers * 2, slots * heads * capacity, head_dim]
+        self._rows = self.kv.view(shape.layers * 2, -1, shape.head_dim)
 
     def flat_index(self, rows: slice, positions: torch.Tensor) -> torch.Tensor:
         """Row indices into a layer's [slots * heads * capacity, head_dim] view for
@@ -52,25 +56,32 @@ class KVPool:
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new keys/values k, v [B, H, T, D] at `index` (from flat_index)."""
         d = self.shape.head_dim
-        self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
-        self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
+        self._rows[2 * layer].index_copy_(0, index, k.reshape(-1, d))
+        self._rows[2 * layer + 1].index_copy_(0, index, v.reshape(-1, d))
 
     def view(self, layer: int, rows: slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of slots `rows`, positions [0, length): views, no copies."""
-        return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
+        return self.kv[layer, 0, rows, :, :length], self.kv[layer, 1, rows, :, :length]
 
-    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Within a slot, copies positions src -> dst (all layers); src, dst 1-D, same length."""
-        for k, v in zip(self.k, self.v):
-            k[slot, :, dst] = k[slot, :, src]
-            v[slot, :, dst] = v[slot, :, src]
+    def move(self, slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copies positions src[i] -> dst[i] within slot slots[i], every head and layer, in one
+        gather and one scatter. Sources are read before anything is written."""
+        if len(slots) == 0:
+            return
+        sh = self.shape
+        dev = self.kv.device
+        base = torch.from_numpy(np.asarray(slots, dtype=np.int64) * sh.kv_heads).to(dev)[:, None]
+        heads = torch.arange(sh.kv_heads, device=dev)[None, :]
+        cap = sh.capacity
+        s = ((base + heads) * cap + torch.from_numpy(np.asarray(src, dtype=np.int64)).to(dev)[:, None]).reshape(-1)
+        d = ((base + heads) * cap + torch.from_numpy(np.asarray(dst, dtype=np.int64)).to(dev)[:, None]).reshape(-1)
+        self._rows[:, d] = self._rows[:, s]
 
     def swap(self, a: int, b: int, length: int) -> None:
         """Exchanges the first `length` positions of slots a and b (all layers)."""
         if a == b or length <= 0:
             return
-        for k, v in zip(self.k, self.v):
-            for t in (k, v):
-                tmp = t[a, :, :length].clone()
-                t[a, :, :length] = t[b, :, :length]
-                t[b, :, :length] = tmp
+        ka, kb = self.kv[:, :, a, :, :length], self.kv[:, :, b, :, :length]
+        tmp = ka.clone()
+        ka.copy_(kb)
+        kb.copy_(tmp)

@@ -5,7 +5,8 @@
     outputs = llm.generate(["Tell me about the sea."], SamplingParams(max_tokens=64))
     outputs[0].text, outputs[0].token_ids, outputs[0].stats
 
-The same engine serves `sssd serve`.
+The same engine serves `sssd serve`. `sssd.LLM` is this class, imported on
+first use (``import sssd`` never loads torch).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from sssd.serving.engine import EngineConfig, LLMEngine, RequestOutput
+from sssd.serving.engine import DEFAULT_DRAFT, EngineConfig, LLMEngine, RequestOutput
 from sssd.serving.params import SamplingParams
 
 #: The project's default target model (see `sssd models list`).
@@ -29,18 +30,22 @@ class LLM:
         drafter: a DrafterConfig or a config / `sssd calibrate` parameter file (default: the
             packaged calibration for the default model with the default datastore, else the
             built-in defaults).
-        speculate: False runs the same engine without speculation.
+        draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
+            sssd.DraftSource objects; [] decodes plainly with the same engine.
+        speculate: False is draft=[].
         budget: fixed draft budget; None lets the engine choose per batch size.
         **engine: other EngineConfig fields (max_running, max_model_len, dtype, device, ...).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, datastore: Any = "default", drafter: Any = None,
-                 speculate: bool = True, budget: int | None = None, **engine: Any):
+                 draft: Sequence[Any] | str | None = DEFAULT_DRAFT, speculate: bool = True, budget: int | None = None,
+                 **engine: Any):
         if drafter is None:
             from sssd.paths import packaged_calibration
 
             drafter = packaged_calibration(model, datastore)
-        self.engine = LLMEngine(model, datastore=datastore if speculate else None, drafter=drafter,
+        draft = draft if speculate else []
+        self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
                                 config=EngineConfig(speculate=speculate, budget=budget, **engine))
 
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

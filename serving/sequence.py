@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,15 +58,26 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     new_token_count: int = 0                          # tokens added since the last output report
-    stop_check_from: int = 0                          # output text offset already searched for stops
-    stop_text: str | None = None                      # the output text cut at a stop string
     error: str | None = None                          # why it finished with "error"
-    draft: bool = True                                # the drafter holds this request's state
-    tokens_pending: list[int] = field(default_factory=list)  # accepted this step, not yet emitted
+    draft: bool = True                                # the drafters hold this request's state
+    detok: Any = None                                 # its Detokenizer (incremental text, stop strings)
+    buffer: np.ndarray | None = None                  # tokens as int64, capacity prompt + max_tokens + 1
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        self.buffer = np.zeros(len(self.prompt_ids) + self.params.max_tokens + 1, dtype=np.int64)
+        self.buffer[: len(self.tokens)] = self.tokens
+
+    def append(self, token: int) -> None:
+        self.buffer[len(self.tokens)] = token
+        self.tokens.append(token)
+
+    def history(self) -> np.ndarray:
+        """Prompt and output so far: a read-only view, no copy."""
+        view = self.buffer[: len(self.tokens)]
+        view.flags.writeable = False
+        return view
 
     @property
     def output_ids(self) -> list[int]:
@@ -78,6 +90,3 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def context(self) -> np.ndarray:
-        return np.asarray(self.tokens, dtype=np.int64)

@@ -157,7 +157,7 @@ def test_abort_frees_the_slot_and_spares_the_others(llama):
     assert outs[gone].finish_reason == "abort" and eng.num_running == 0
     alone = engine(llama, speculate=False).generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert outs[keep].token_ids == alone.token_ids
-    assert eng.drafter is not None and len(eng.drafter) == 0  # drafter state freed too
+    assert eng.drafting is not None and len(eng.drafting) == 0  # drafter state freed too
 
 
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llama, tmp_path):

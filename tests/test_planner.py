@@ -1,5 +1,6 @@
 """The batch-size-aware budget planner."""
 
+import numpy as np
 import pytest
 
 from sssd.serving.engine import EngineConfig, LLMEngine
@@ -42,7 +43,12 @@ def test_engine_profiles_once_and_caches(tmp_path, monkeypatch):
     assert len(cached) == 1
     again = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
     assert again.planner.profile.seconds == prof.seconds  # read back, not re-measured
-    assert eng.planner.budget(1) in (0, 4, 8, 16, 32, 64)
+    # the model's choice is the brute-force best of every budget under this profile
+    p = eng.planner
+    for B in (1, 2, 4):
+        rates = [B * p.mat[b] / prof.time(B, b + 1) for b in range(p.max_budget + 1)]
+        assert p.model_budget(B) == int(np.argmax(rates))
+    assert p.budget(1) in p.buckets[1].candidates
 
 
 def _run(planner, batch, steps, rate_of):
@@ -73,12 +79,13 @@ def test_measured_rates_override_the_model():
 
 def test_planner_retries_candidates_after_refresh():
     p = BudgetPlanner(None, {4: 1.7, 8: 1.9}, linear_profile(0.05, 0.0002), explore_steps=2, refresh=50)
-    rates = {0: 10, 4: 5, 8: 5}
-    chosen = _run(p, 3, 50, lambda b: rates[b])
+    rates = {0: 10}
+    chosen = _run(p, 3, 50, lambda b: rates.get(b, 5))
     assert chosen[-10:] == [0] * 10
-    rates.update({4: 20})                     # the workload changed: budget 4 now pays
-    chosen = _run(p, 4, 60, lambda b: rates[b])   # batch 3 and 4 share the bucket
-    assert chosen[-5:] == [4] * 5 and chosen.count(4) > 40
+    best = max(p.buckets[4].candidates)
+    rates.update({best: 20})                     # the workload changed: a budget now pays
+    chosen = _run(p, 4, 60, lambda b: rates.get(b, 5))   # batch 3 and 4 share the bucket
+    assert chosen[-5:] == [best] * 5 and chosen.count(best) > 40
 
 
 def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
@@ -91,9 +98,35 @@ def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
     spec = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    # a profile where speculation pays, so that the planner explores whatever this machine measured
+    spec.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05}, linear_profile(0.05, 0.0002), explore_steps=2)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     assert len(spec.metrics.budgets) >= 2 and spec.planner.buckets  # it explored, and measured
+
+
+def test_every_budget_is_considered_and_small_ones_win_where_verifying_more_is_dear():
+    """A CPU-like profile: 2-3 tokens cost about one, 5 and more grow steeply. The ladder of
+    0/4/8/16/32/64 the planner had would speculate nowhere; budget 2 or 3 pays."""
+    rows, tokens = [1, 4, 16], [1, 2, 3, 4, 5, 9, 17, 33, 65]
+    step = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.5, 5: 1.9, 9: 2.6, 17: 4.0, 33: 7.0, 65: 13.0}
+    prof = ForwardProfile(rows, tokens, [[0.02 * r ** 0.5 * step[t] for t in tokens] for r in rows], context=256)
+    p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, prof, adaptive=False)
+    assert p.budget(1) in (2, 3)
+    old = {b: p.expected_rate(1, b) for b in (0, 4, 8, 16, 32, 64)}
+    assert max(old, key=old.get) == 0
+
+
+def test_mat_interpolation_is_monotone_and_keeps_the_calibrated_points():
+    from sssd.serving.planner import interpolate_mat
+
+    known = {4: 1.7, 8: 1.9, 16: 1.85, 64: 2.3}   # a dip (noise) at 16
+    mat = interpolate_mat(known, 64)
+    assert sorted(mat) == list(range(65)) and mat[0] == 1.0
+    assert mat[4] == pytest.approx(1.7) and mat[8] == pytest.approx(1.9) and mat[64] == pytest.approx(2.3)
+    values = [mat[b] for b in range(65)]
+    assert values == sorted(values)             # never decreasing
+    assert 1.0 < mat[1] < mat[2] < mat[3] < 1.7
 
 
 def test_planner_does_not_try_budgets_the_model_rules_out():

@@ -162,7 +162,7 @@ def test_client_disconnect_cancels_the_request(server):
             break
         time.sleep(0.05)
     assert server.engine.metrics.finish_reasons.get("abort", 0) == before + 1
-    assert server.engine.num_running == 0 and len(server.engine.drafter) == 0
+    assert server.engine.num_running == 0 and len(server.engine.drafting) == 0
 
 
 def test_metrics_use_vllm_names(server):
@@ -265,7 +265,7 @@ def test_load_32_streaming_clients_identical_to_plain_and_no_growth(model):
                 t.join()
             assert errors == []
             assert results == want
-            assert s.engine.num_running == 0 and len(s.engine.drafter) == 0
+            assert s.engine.num_running == 0 and len(s.engine.drafting) == 0
             rss.append(_rss_mb())
         assert rss[2] - rss[0] < 64, f"RSS grew across rounds: {rss} MB"
         assert s.engine.metrics.finish_reasons.get("length", 0) >= 96

@@ -40,7 +40,10 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--budget", type=int, default=None,
                    help="fixed draft budget (default: the planner chooses per batch size)")
-    p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine)")
+    p.add_argument("--draft", default="retrieval",
+                   help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens); "
+                        "'none' serves without speculation")
+    p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
                         "(do it on a quiet machine)")
@@ -81,6 +84,13 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.draft.strip().lower() != "none":
+        from sssd.sources import parse_specs
+
+        for spec in parse_specs(args.draft):  # ValueError naming the known kinds
+            if spec[0] != "retrieval":
+                raise ValueError(f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
+                                 f"version of sssd (available: retrieval)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (unset SSSD_API_KEY or give a key)")
     model = Path(args.model).expanduser()
@@ -135,9 +145,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    speculate = not args.no_speculate
+    draft = [] if args.no_speculate or args.draft.strip().lower() == "none" else args.draft
+    speculate = bool(draft)
     datastore = None if args.datastore == "none" else args.datastore
-    if speculate and datastore == "default":
+    if speculate and datastore == "default" and "retrieval" in args.draft:
         from sssd.commands.draft import ensure_default_datastore
 
         ensure_default_datastore()
@@ -150,7 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config)
+    engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config,
+                       draft=draft)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
     planner = engine.planner
     if not speculate:
@@ -160,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         rows = planner.table((1, 4, 16, args.max_running))
         mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.runner.device}, {args.dtype}); "
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.backend.device}, {args.dtype}); "
           f"speculation: {mode}", file=sys.stderr, flush=True)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"WARNING: listening on {args.host} without an API key: anyone who reaches this port can use the "

@@ -1,0 +1,194 @@
+"""TorchBackend: a Hugging Face causal LM verifying packed draft trees over its KV pool.
+
+One forward pass serves a group of slots: row b feeds T tokens at explicit
+positions with an explicit mask (each tree node sees the request's cached
+context and its own ancestors; a prefill chunk is a chain). The model's own
+layers do everything else (projections, rotary embeddings, norms, MLPs);
+attention is ours (attention.py): it reads and writes the KV pool directly,
+so no cache object crosses the model's forward signature. Any architecture
+whose HF implementation dispatches attention through transformers'
+AttentionInterface works (Llama, Qwen2, Gemma3 are tested).
+
+After the pass, greedy rows need only the argmax at each node: it is taken
+chunk by chunk through the output embedding, so the float32 logits of every
+node never exist at once. Only sampled rows' nodes get full logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sssd.serving import attention
+from sssd.serving.backend import ModelInfo, NodeOutputs, VerifierBackend
+from sssd.serving.kv_cache import KVPool, PoolShape
+from sssd.serving.tree_batch import TreeBatch
+
+#: Bytes of float32 logits one argmax chunk may hold.
+ARGMAX_CHUNK_BYTES = 32 * 2**20
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    """CUDA when available (or as asked), else the CPU."""
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TorchBackend(VerifierBackend):
+    """Loads a causal LM and verifies trees over a pool of `slots` KV slots of `capacity` tokens.
+
+    Args:
+        model: a local Hugging Face model folder (config.json + weights).
+        slots / capacity: the KV pool (requests at once, tokens per request).
+        dtype: torch dtype name ("float32" for exact equality tests).
+        device: "cpu", "cuda", ... (default: CUDA if available).
+        threads: torch intra-op threads (None: torch's default).
+    """
+
+    def __init__(self, model: str | Path, slots: int, capacity: int, dtype: str = "float32",
+                 device: str | None = None, threads: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise ValueError(f"{path}: cannot read the model config ({e})") from e
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+        arch = list(getattr(config, "architectures", None) or [])
+        causal = (any(a in set(CAUSAL.values()) or a.endswith("ForCausalLM") for a in arch) if arch
+                  else config.model_type in CAUSAL)
+        if getattr(config, "is_encoder_decoder", False) or not causal:
+            raise ValueError(f"{path} is not a causal language model (architectures: {arch or config.model_type})")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = pick_device(device)
+        self.dtype = getattr(torch, dtype)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation=attention.register(), local_files_only=True
+            ).to(self.device)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{path}: cannot load it as a causal language model ({str(e).splitlines()[0]})") from e
+        self.model.eval()
+        self.config = self.model.config
+        text = getattr(self.config, "text_config", None) or self.config
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else text.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        layer_types = getattr(text, "layer_types", None)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
+        self.info = ModelInfo(
+            path=str(path),
+            model_type=text.model_type,
+            vocab_size=text.vocab_size,
+            max_positions=int(getattr(text, "max_position_embeddings", 2048)),
+            eos_token_ids=eos_ids,
+            sliding_window=getattr(text, "sliding_window", None) if layer_types and "sliding_attention" in layer_types else None,
+            layer_types=tuple(layer_types) if layer_types else None,
+            shape={"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": text.num_attention_heads,
+                   "kv_heads": kv_heads, "head_dim": head_dim, "vocab": text.vocab_size,
+                   "intermediate": getattr(text, "intermediate_size", 4 * text.hidden_size),
+                   "params": sum(p.numel() for p in self.model.parameters()),
+                   "dtype_bytes": torch.finfo(self.dtype).bits // 8},
+        )
+        self._softcap = getattr(text, "final_logit_softcapping", None)
+        self._head = self.model.get_output_embeddings()
+        self.slots, self.capacity = slots, capacity
+        self.pool = KVPool(PoolShape(layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, slots=slots,
+                                     capacity=capacity), self.dtype, self.device)
+        self._threads = threads
+
+    # -- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
+        """Final hidden states [B, T, hidden] of one pass over slots `rows`."""
+        dev = self.device
+        tok = torch.from_numpy(batch.tokens).to(dev)
+        pos = torch.from_numpy(batch.positions).to(dev)
+        full = torch.from_numpy(batch.visible()).to(dev)[:, None]
+        mask: torch.Tensor | dict = full
+        if self.info.layer_types is not None:
+            mask = {"full_attention": full, "sliding_attention": full}
+            if self.info.sliding_window:
+                near = batch.positions[:, :, None] - batch.kv_positions()[:, None, :] < self.info.sliding_window
+                mask["sliding_attention"] = full & torch.from_numpy(near).to(dev)[:, None]
+        step = attention.PoolStep(self.pool, rows, torch.from_numpy(batch.writes).to(dev), batch.kv_length)
+        out = self.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False,
+                               **{attention.STEP_KWARG: step})
+        return out.last_hidden_state
+
+    def prefill(self, rows: slice, batch: TreeBatch) -> None:
+        self._forward(rows, batch)
+
+    @torch.inference_mode()
+    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray) -> NodeOutputs:
+        hidden = self._forward(rows, batch)
+        B, T = batch.shape
+        argmax = np.full((B, T), -1, dtype=np.int64)
+        g = batch.valid & np.asarray(greedy, dtype=bool)[:, None]
+        if g.any():
+            b, i = np.nonzero(g)
+            argmax[b, i] = self.argmax(hidden[torch.from_numpy(b), torch.from_numpy(i)])
+        s = batch.valid & ~np.asarray(greedy, dtype=bool)[:, None]
+        if not s.any():
+            return NodeOutputs(argmax)
+        b, i = np.nonzero(s)
+        index = np.full((B, T), -1, dtype=np.int64)
+        index[b, i] = np.arange(b.shape[0])
+        return NodeOutputs(argmax, self.logits(hidden[torch.from_numpy(b), torch.from_numpy(i)]), index)
+
+    def collect(self, handle: NodeOutputs) -> NodeOutputs:
+        return handle  # the CPU pass ran in launch
+
+    @torch.inference_mode()
+    def argmax(self, hidden: torch.Tensor) -> np.ndarray:
+        """Argmax of the next-token logits for hidden states [N, hidden], chunk by chunk (soft-capping
+        is monotone: it never changes the argmax)."""
+        n = hidden.shape[0]
+        chunk = max(16, ARGMAX_CHUNK_BYTES // (4 * self.info.vocab_size))
+        out = torch.empty(n, dtype=torch.int64, device=hidden.device)
+        for start in range(0, n, chunk):
+            out[start : start + chunk] = self._head(hidden[start : start + chunk]).argmax(dim=-1)
+        return out.cpu().numpy()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (float32) for hidden states [..., hidden]."""
+        out = self._head(hidden).float()
+        if self._softcap:
+            out = torch.tanh(out / self._softcap) * self._softcap
+        return out
+
+    # -- the KV pool -----------------------------------------------------------------------
+    def compact(self, slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        self.pool.move(slots, src, dst)
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        self.pool.swap(a, b, length)
+
+    # -- cost --------------------------------------------------------------------------------
+    def identity(self) -> dict:
+        """What a forward-time profile depends on."""
+        path = Path(self.info.path)
+        return {"backend": "torch", "model": str(path), "mtime": (path / "config.json").stat().st_mtime,
+                "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
+                "slots": self.slots, "torch": torch.__version__}
+
+    def profile(self, log=None, force: bool = False):
+        from sssd.serving.profile import load_or_measure
+
+        return load_or_measure(self, log=log, force=force)
+
+    def describe(self) -> dict:
+        return {"backend": "torch", "path": self.info.path, "model_type": self.info.model_type,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+                "config": json.loads((getattr(self.config, "text_config", None) or self.config).to_json_string())["model_type"]}
