@@ -67,7 +67,14 @@ def setup(p: argparse.ArgumentParser):
 
 def validate(args: argparse.Namespace) -> None:
     """Refuses bad arguments with one clear message (ValueError), before anything loads."""
+    import importlib.util
+
     from sssd import _core
+
+    missing = [m for m in ("torch", "transformers", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"sssd serve needs the 'serve' extra (missing: {', '.join(missing)}): "
+                           f"pip install 'sssd[serve]' (with torch's CPU build where there is no GPU)")
 
     def positive(name: str) -> None:
         value = getattr(args, name)
