@@ -134,14 +134,19 @@ def test_score_table_sizes_do_not_overflow():
 
 def test_trees_given_as_lists_are_kept_alive():
     # A list converts to a temporary array; the core used to keep a span into
-    # it after the temporary was freed (a use-after-free under ASan).
+    # it after the temporary was freed (a use-after-free under ASan). Sizes
+    # above 1 KiB: numpy keeps smaller freed buffers in a cache, hiding it.
+    n = 300
     table = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3))
-    arrays = {"tokens": np.array([1, 2, 3], dtype=np.uint32), "parents": np.array([-1, 0, -1], dtype=np.int32),
-              "weights": np.array([4.0, 2.0, 3.0]), "total": 8.0, "source": 0, "match_len": 1, "max_depth": 2}
-    lists = {**arrays, "weights": [4.0, 2.0, 3.0]}
-    want = _core.merge_trees([arrays], table, 8)
-    got = _core.merge_trees([lists], table, 8)
+    arrays = {"tokens": np.arange(n, dtype=np.uint32), "parents": np.full(n, -1, dtype=np.int32),
+              "weights": np.arange(1.0, n + 1), "total": float(n * (n + 1) // 2), "source": 0, "match_len": 1,
+              "max_depth": 2}
+    lists = {**arrays, "weights": arrays["weights"].tolist()}
+    want = _core.merge_trees([arrays], table, 64)
+    got = _core.merge_trees([lists], table, 64)
+    assert len(want["tokens"]) == 64 and want["tokens"][0] == n - 1
     for key in ("tokens", "parents", "scores"):
         np.testing.assert_array_equal(got[key], want[key])
-    curves = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [([0.0, 1.0], [0.0, 0.5])])
-    assert curves.priority(0, 1, 1, 1.0) == 0.5
+    knots = np.linspace(0.0, 1.0, n)
+    curves = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [(knots.tolist(), (knots / 2).tolist())])
+    assert curves.priority(0, 1, 1, 1.0) == 0.5 and curves.priority(0, 1, 1, 0.5) == 0.25
