@@ -84,6 +84,23 @@ def test_resolve_model(tmp_path):
     assert models.resolve_model("Gemma3-270M", cache=tmp_path / "m") == pulled
 
 
+def test_resolve_model_pulls_through_the_package(monkeypatch, tmp_path):
+    """resolve_model calls sssd.models.pull as it is when called (so patching it there takes effect)."""
+    calls = []
+    monkeypatch.setattr(models, "pull", lambda name, cache=None, log=None: calls.append(name) or tmp_path / "x")
+    assert models.resolve_model("smollm2", cache=tmp_path / "m", log=lambda m: None) == tmp_path / "x"
+    assert calls == ["smollm2-135m-instruct"]
+
+
+def test_importing_models_leaves_torch_and_transformers_alone():
+    import subprocess
+    import sys
+
+    code = "import sys, sssd.models; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_list_models_reports_local_status(tmp_path):
     _fake_pulled(tmp_path, "qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
     rows = {r["name"]: r for r in models.list_models(tmp_path)}

