@@ -135,3 +135,27 @@ def test_planner_does_not_try_budgets_the_model_rules_out():
     assert p.model_budget(64) == 0
     chosen = _run(p, 64, 30, lambda b: 10)
     assert set(chosen) == {0}   # budget 4 would cost 5x for 1.7x the tokens: never explored
+
+
+def test_roofline_reproduces_the_papers_free_speculation_budget():
+    """SSSD paper, section 3.2: for Llama2-7b on an Ascend 910B4 (280 TFLOP/s, 0.8 TB/s),
+    verifying is almost free until b x s_q ~ 435, i.e. s_q ~ 54 at batch 8."""
+    from sssd.serving.roofline import HARDWARE, MODELS, projection, step_seconds
+
+    m, hw = MODELS["llama-2-7b"], HARDWARE["ascend-910b4"]
+    ratio = {s: step_seconds(m, hw, 8, s, 512) / step_seconds(m, hw, 8, 1, 512) for s in (16, 48, 54, 80, 128)}
+    assert ratio[16] < 1.1 and ratio[48] < 1.25          # memory-bound: nearly free
+    assert ratio[80] > 1.6 and ratio[128] > 2.5          # compute-bound beyond the knee
+    rows = projection(m, hw, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, batches=(1, 8, 64, 256))
+    budgets = [r["budget"] for r in rows]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] >= 32 and budgets[-1] < budgets[0]
+    assert all(r["speedup"] >= 1.0 for r in rows)        # never planned below plain decoding
+
+
+def test_sssd_plan_prints_a_labelled_projection(capsys):
+    from sssd.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--hardware", "h100", "--batch-sizes", "1", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PROJECTION (roofline, not measured)") and "2.05-2.61x" in out
+    assert main(["plan", "--efficiency", "2"]) == 1
