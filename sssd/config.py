@@ -101,25 +101,38 @@ class DiscountParams:
     #: Calibration curves (from ``sssd calibrate``); when set they replace the discounts.
     calibration: Calibration | None = None
 
-    def score_table(self, max_match: int, max_depth: int) -> _core.ScoreTable:
-        """The dense (source, match length, depth) table the C++ merge reads."""
-        factors = np.zeros((3, max_match + 1, max_depth + 1), dtype=np.float64)
-        if self.calibration is None:
-            for s, disc in enumerate((self.datastore, self.input, self.external)):
-                for m in range(max_match + 1):
-                    for d in range(1, max_depth + 1):
-                        factors[s, m, d] = disc.factor(m, d)
-            return _core.ScoreTable(max_match, max_depth, factors.ravel())
+    def score_table(self, max_match: int, max_depth: int,
+                    external: tuple[SourceDiscount, ...] | None = None) -> _core.ScoreTable:
+        """The dense (source, match length, depth) table the C++ merge reads.
+
+        Args:
+            external: the discounts of the caller's sources, tagged 2, 3, ... in order
+                (default: one, ``self.external``).
+        """
+        ext = tuple(external) if external else (self.external,)
+        sources = (self.datastore, self.input) + ext
+        n = len(sources)
+        factors = np.zeros((n, max_match + 1, max_depth + 1), dtype=np.float64)
         cal = self.calibration
-        factors[:, :, 1:] = 1.0
+        for s, disc in enumerate(sources):
+            if cal is not None and s < 2:
+                factors[s, :, 1:] = 1.0  # curves replace the retrieval sources' discounts
+                continue
+            for m in range(max_match + 1):
+                for d in range(1, max_depth + 1):
+                    factors[s, m, d] = disc.factor(m, d)
+        if cal is None:
+            return _core.ScoreTable(max_match, max_depth, factors.ravel(), num_sources=n)
+        if external is None:
+            factors[2:, :, 1:] = 1.0  # (the calibrated external source of a calibration file)
         index = {(s, m, d): i for i, (s, m, d, _, _) in enumerate(cal.curves)}
-        curve_of = np.full((3, max_match + 1, max_depth + 1), -1, dtype=np.int32)
-        for s in range(3):
+        curve_of = np.full((n, max_match + 1, max_depth + 1), -1, dtype=np.int32)
+        for s in range(min(n, 3)):
             for m in range(max_match + 1):
                 for d in range(1, max_depth + 1):
                     curve_of[s, m, d] = index.get((s, cal.bin_of(cal.match_bins, m), cal.bin_of(cal.depth_bins, d)), -1)
         curves = [(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)) for _, _, _, x, y in cal.curves]
-        return _core.ScoreTable(max_match, max_depth, factors.ravel(), curve_of.ravel(), curves)
+        return _core.ScoreTable(max_match, max_depth, factors.ravel(), curve_of.ravel(), curves, num_sources=n)
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in ("datastore", "input", "external")}
@@ -200,8 +213,10 @@ class DrafterConfig:
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
 
-    def native_params(self, vocab_size: int | None = None) -> _core.DrafterParams:
-        """The C++ parameter object (vocab_size fills in a missing one)."""
+    def native_params(self, vocab_size: int | None = None,
+                      external: tuple[SourceDiscount, ...] | None = None) -> _core.DrafterParams:
+        """The C++ parameter object (vocab_size fills in a missing one; `external`: the
+        discounts of the caller's draft sources, tagged 2, 3, ...)."""
         q = _core.DatastoreQuery()
         q.max_match = self.datastore_max_match
         q.min_match = self.datastore_min_match
@@ -219,7 +234,7 @@ class DrafterConfig:
         p.vocab_size = self.vocab_size or vocab_size or 0
         max_match = max(self.datastore_max_match, self.input_max_match)
         max_depth = max(self.datastore_branch_len, self.input_branch_len)
-        p.scores = self.discounts.score_table(max_match, max_depth)
+        p.scores = self.discounts.score_table(max_match, max_depth, external)
         _core.Drafter(None, p, 1)  # validates every field, raising ValueError
         return p
 

@@ -92,11 +92,14 @@ class Drafter:
         tokenizer: the tokenizer the caller's token ids come from (a
             tokenizer object or spec accepted by sssd.tokenizer); if given, a
             datastore built with a different tokenizer is refused.
+        external_sources: the discounts of the caller's candidate sources, in
+            order (their nodes are tagged 2, 3, ...; see ``draft``); default:
+            one, ``config.discounts.external``.
         **overrides: DrafterConfig fields replacing those of ``config``.
     """
 
     def __init__(self, datastore: Datastore | str | Path | None = DEFAULT, config: DrafterConfig | None = None,
-                 *, tokenizer: Any = None, **overrides: Any):
+                 *, tokenizer: Any = None, external_sources: Sequence[Any] = (), **overrides: Any):
         self.config = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
         self.datastore = resolve_datastore(datastore) if self.config.use_datastore else None
         if tokenizer is not None and self.datastore is not None:
@@ -104,7 +107,7 @@ class Drafter:
 
             check_compatible(self.datastore, tokenizer)
         vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
-        params = self.config.native_params(vocab)
+        params = self.config.native_params(vocab, tuple(external_sources) or None)
         self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
 
     # -- request lifecycle ------------------------------------------------
@@ -166,16 +169,21 @@ class Drafter:
 
     # -- drafting -----------------------------------------------------------
     def draft(self, request_ids: Sequence[int] | np.ndarray, budgets: int | Sequence[int] | np.ndarray | None = None,
-              external: DraftBatch | None = None) -> DraftBatch:
+              external: DraftBatch | dict | None = None) -> DraftBatch:
         """Drafts one tree per request, in one parallel call.
 
         Args:
             request_ids: open requests to draft for.
             budgets: nodes per tree: one int for all, one per request, or None
                 for config.budget. 0 gives an empty draft.
-            external: optional extra source, one tree per request (e.g. from a
-                model drafter), whose ``draft_probs`` are conditional
-                probabilities q(token | parent path); merged by priority.
+            external: the caller's candidates, one tree per request, merged by
+                priority: a DraftBatch (one model source; its ``draft_probs``
+                are conditional probabilities q(token | parent path) and rank
+                the candidates), or a dict of CSR arrays ``offsets``,
+                ``tokens``, ``parents``, ``weights`` (conditional ranking
+                probabilities), optionally ``q`` (real draft probabilities,
+                NaN where none) and ``sources`` (uint8 tags 2, 3, ..., one per
+                ``external_sources`` entry).
 
         Raises:
             KeyError: an id is not open. ValueError: a budget is out of range.
@@ -198,7 +206,17 @@ class Drafter:
                 raise ValueError(f"budgets must be in [0, {int(_core.MAX_BUDGET)}]")
             b = b.astype(np.int32)
         ext = None
-        if external is not None:
+        if isinstance(external, dict):
+            if len(external["offsets"]) != ids.shape[0] + 1:
+                raise ValueError(f"external drafts cover {len(external['offsets']) - 1} requests, expected {ids.shape[0]}")
+            ext = {"offsets": np.ascontiguousarray(external["offsets"], dtype=np.int64),
+                   "tokens": as_tokens(external["tokens"], "external tokens"),
+                   "parents": np.ascontiguousarray(external["parents"], dtype=np.int32),
+                   "weights": np.ascontiguousarray(external["weights"], dtype=np.float32)}
+            for key, dt in (("q", np.float32), ("sources", np.uint8)):
+                if external.get(key) is not None:
+                    ext[key] = np.ascontiguousarray(external[key], dtype=dt)
+        elif external is not None:
             if len(external) != ids.shape[0]:
                 raise ValueError(f"external drafts cover {len(external)} requests, expected {ids.shape[0]}")
             ext = {

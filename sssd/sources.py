@@ -37,6 +37,9 @@ from sssd.config import SourceDiscount
 
 log = logging.getLogger("sssd.drafting")
 
+#: Draft sources a pipeline merges besides retrieval (source tags 2..15 in the C++ merge).
+MAX_EXTERNAL = 14
+
 #: Kinds of the draft spec grammar, and what each names.
 SPEC_KINDS = {
     "retrieval": "the datastore and the request's own tokens (SSSD's drafting)",
@@ -210,20 +213,22 @@ class DraftPipeline:
         self.vocab_size = vocab_size
         self.external: list[DraftSource] = [s for s in sources if isinstance(s, DraftSource)]
         retrieval = [s for s in sources if isinstance(s, RetrievalSource)]
+        if len(self.external) > MAX_EXTERNAL:
+            raise ValueError(f"at most {MAX_EXTERNAL} draft sources besides retrieval, got {len(self.external)}")
         cfg = config.replace(vocab_size=vocab_size) if vocab_size else config
+        discounts = tuple(s.discount for s in self.external)
         if retrieval:
             r = retrieval[0]
             cfg = cfg.replace(**r.overrides) if r.overrides else cfg
             ds = resolve_datastore(r.datastore) if cfg.use_datastore else None
             self.datastore = ds
-            self.drafter = Drafter(ds, cfg.replace(use_datastore=ds is not None))
+            self.drafter = Drafter(ds, cfg.replace(use_datastore=ds is not None), external_sources=discounts)
         else:
             self.datastore = None
-            self.drafter = Drafter(None, cfg.replace(use_datastore=False, use_input=False))
+            self.drafter = Drafter(None, cfg.replace(use_datastore=False, use_input=False), external_sources=discounts)
         self.retrieval = bool(retrieval)
         names = {0: "datastore", 1: "input"}
-        if self.external:
-            names[2] = self.external[0].name if len(self.external) == 1 else "external"
+        names.update({2 + i: s.name for i, s in enumerate(self.external)})
         self.source_names = names
         self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
 
@@ -264,14 +269,13 @@ class DraftPipeline:
             self._failed.add((i, request_id))
 
     def draft(self, requests: Sequence[DraftRequest]):
-        """One merged DraftBatch for the requests (budgets 0: empty trees)."""
-        from sssd.tree import DraftBatch
-
+        """One merged DraftBatch for the requests (budgets 0: empty trees); its sources
+        name the source of each node through `source_names`."""
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         external = None
         if self.external:
-            per_request: list[list[Candidates]] = [[] for _ in requests]
+            per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
             for i, s in enumerate(self.external):
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
                 if not asked:
@@ -288,33 +292,36 @@ class DraftPipeline:
                     if c is None:
                         continue
                     try:
-                        per_request[where[r.request_id]].append(c.check(self.vocab_size))
+                        per_request[where[r.request_id]].append((2 + i, c.check(self.vocab_size)))
                     except (ValueError, TypeError) as e:
                         log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
                                     s.name, r.request_id, e)
-            external = _concat_candidates(per_request, DraftBatch)
+            external = _concat_candidates(per_request)
         return self.drafter.draft(ids, budgets, external)
 
 
-def _concat_candidates(per_request: list[list[Candidates]], DraftBatch):
-    """One external tree per request: its sources' proposals side by side under the root."""
-    toks, pars, probs, sizes = [], [], [], []
+def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
+    """The merge's external input: every request's candidates, each tagged with its source."""
+    toks, pars, weights, qs, tags, sizes = [], [], [], [], [], []
     for cands in per_request:
         n0 = 0
-        for c in cands:
+        for tag, c in cands:
+            n = len(c.tokens)
             toks.append(c.tokens)
             pars.append(np.where(c.parents >= 0, c.parents + n0, -1).astype(np.int32))
-            # without a real probability a candidate ranks as probability 1 (times the source's discount)
-            probs.append(c.probs if c.probs is not None else np.ones(len(c.tokens), np.float32))
-            n0 += len(c.tokens)
+            # without a real probability a candidate ranks as probability 1 (times its source's discount)
+            weights.append(c.probs if c.probs is not None else np.ones(n, np.float32))
+            qs.append(c.probs if c.probs is not None else np.full(n, np.nan, np.float32))
+            tags.append(np.full(n, tag, np.uint8))
+            n0 += n
         sizes.append(n0)
-    n = int(sum(sizes))
-    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    tokens = cat(toks, np.int64)
-    draft_probs = cat(probs, np.float32)
-    return DraftBatch(offsets, tokens, cat(pars, np.int32), np.zeros(n, np.int32), np.ones(n, np.float32),
-                      np.full(n, 2, np.uint8), draft_probs)
+
+    def cat(parts, dt):
+        return np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)
+
+    return {"offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "tokens": cat(toks, np.int64),
+            "parents": cat(pars, np.int32), "weights": cat(weights, np.float32), "q": cat(qs, np.float32),
+            "sources": cat(tags, np.uint8)}
 
 
 __all__ = ["Candidates", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS", "parse_spec", "parse_specs"]

@@ -186,6 +186,17 @@ def test_a_users_source_beside_retrieval(llama, plain_outputs):
     assert [o.token_ids for o in outs] == plain_outputs
 
 
+def test_two_users_sources_are_told_apart(llama, plain_outputs):
+    """Each source keeps its name in the acceptance counts; the stronger-weighted one leads."""
+    good, other = Oracle(plain_outputs, PROMPTS), Oracle(plain_outputs, PROMPTS, depth=2)
+    other.name, other.discount = "second", sssd.SourceDiscount(scale=0.5)
+    eng = LLMEngine(llama, datastore=None, draft=[good, other], config=EngineConfig(max_model_len=256, budget=8))
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    by = eng.metrics.accepted_by_source
+    assert by.get("oracle", 0) > by.get("second", 0) >= 0 and set(by) <= {"oracle", "second"}
+
+
 class Broken(DraftSource):
     name = "broken"
 

@@ -105,7 +105,7 @@ def test_budget_zero_and_bad_tree():
     with pytest.raises(ValueError, match="earlier node"):
         _core.merge_trees([{**t, "parents": np.array([0], dtype=np.int32)}], table, 4)
     with pytest.raises(ValueError, match="source"):
-        _core.merge_trees([{**t, "source": 7}], table, 4)
+        _core.merge_trees([{**t, "source": 16}], table, 4)
 
 
 def test_score_table_validation():
@@ -150,3 +150,24 @@ def test_trees_given_as_lists_are_kept_alive():
     knots = np.linspace(0.0, 1.0, n)
     curves = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [(knots.tolist(), (knots / 2).tolist())])
     assert curves.priority(0, 1, 1, 1.0) == 0.5 and curves.priority(0, 1, 1, 0.5) == 0.25
+
+
+def test_several_external_sources_each_with_its_discount_tag_and_q():
+    """Two caller sources propose under one root: each keeps its source tag, its discount ranks
+    it, and a node's real draft probability q travels apart from its ranking weight."""
+    weak, strong = sssd.SourceDiscount(scale=0.1), sssd.SourceDiscount(scale=1.0)
+    drafter = sssd.Drafter(None, sssd.DrafterConfig(use_input=False), external_sources=(weak, strong))
+    drafter.open(1, [5, 6, 7])
+    ext = {"offsets": np.array([0, 4]), "tokens": np.array([10, 11, 20, 21]), "parents": np.array([-1, 0, -1, 2]),
+           "weights": np.array([0.9, 0.9, 0.5, 0.5], np.float32), "q": np.array([0.9, 0.9, np.nan, np.nan], np.float32),
+           "sources": np.array([2, 2, 3, 3], np.uint8)}
+    tree = drafter.draft([1], [4], external=ext)[0]
+    assert tree.tokens.tolist() == [20, 21, 10, 11]        # 0.5 x 1.0 and 0.25 x 1.0 beat 0.9 x 0.1
+    assert tree.sources.tolist() == [3, 3, 2, 2]
+    assert np.isnan(tree.draft_probs[:2]).all() and tree.draft_probs[2:].tolist() == pytest.approx([0.9, 0.9])
+    assert drafter.draft([1], [1], external=ext)[0].tokens.tolist() == [20]
+    # a node under another source's node, an unknown tag, a weight above 1: refused
+    for key, bad in (("parents", np.array([-1, 0, 1, 2])), ("sources", np.array([2, 2, 16, 16], np.uint8)),
+                     ("weights", np.array([1.5, 0.9, 0.5, 0.5], np.float32))):
+        with pytest.raises(ValueError):
+            drafter.draft([1], [4], external={**ext, key: bad})

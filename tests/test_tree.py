@@ -99,7 +99,7 @@ def test_best_chains_checks_every_offset_before_reading():
     for bad in ([0, 10**6, 5], [0, 7, 5], [0, -3, 5], [0, 3, 2, 5], [1, 5], [0, 4], [0, 6]):
         with pytest.raises(ValueError, match="offsets"):
             _core.best_chains(np.array(bad, dtype=np.int64), parents, scores)
-    with pytest.raises(ValueError, match=r"parents\[3\] = 0: parents must be -1 or an earlier node of the same tree"):
+    with pytest.raises(ValueError, match=r"tree 1: parent\[0\] = 0 must be -1 or an earlier node of the same tree"):
         _core.best_chains(np.array([0, 3, 5], dtype=np.int64), parents, scores)  # tree 1's first node has a parent
     with pytest.raises(ValueError, match="len"):
         _core.best_chains(np.array([0, 5], dtype=np.int64), parents, scores[:4])

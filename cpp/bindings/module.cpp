@@ -19,6 +19,7 @@
 #include "sssd/continuation_tree.h"
 #include "sssd/datastore.h"
 #include "sssd/drafter.h"
+#include "sssd/parent_tree.h"
 #include "sssd/request_trie.h"
 #include "sssd/suffix_sort.h"
 #include "sssd/tree_merger.h"
@@ -108,7 +109,7 @@ py::dict tree_to_dict(const sssd::SourceTree& t) {
 }
 
 sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& factors,
-                            py::object curve_of, py::object curves) {
+                            py::object curve_of, py::object curves, int num_sources) {
   const auto f = borrow<double>(factors, "factors");
   std::vector<int32_t> cells;
   std::vector<sssd::Curve> parsed;
@@ -123,7 +124,7 @@ sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& facto
     }
   }
   return sssd::ScoreTable(max_match, max_depth, std::vector<double>(f.begin(), f.end()), std::move(cells),
-                          std::move(parsed));
+                          std::move(parsed), num_sources);
 }
 
 }  // namespace
@@ -292,16 +293,17 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
 
   py::class_<sssd::ScoreTable>(m, "ScoreTable")
       .def(py::init(&make_table), "max_match"_a, "max_depth"_a, "factors"_a, "curve_of"_a = py::none(),
-           "curves"_a = py::none(),
+           "curves"_a = py::none(), "num_sources"_a = sssd::kNumSources,
            "factors/curve_of: [source][match_len][depth] flattened; curves: list of (knots, values) arrays")
       .def("__call__", [](const sssd::ScoreTable& t, int source, int match_len, int depth) {
-        SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+        SSSD_CHECK_ARG(source >= 0 && source < t.num_sources(), "unknown source ", source);
         return t(sssd::Source(source), match_len, depth);
       }, "source"_a, "match_len"_a, "depth"_a)
       .def("priority", [](const sssd::ScoreTable& t, int source, int match_len, int depth, double p) {
-        SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+        SSSD_CHECK_ARG(source >= 0 && source < t.num_sources(), "unknown source ", source);
         return t.priority(sssd::Source(source), match_len, depth, p);
       }, "source"_a, "match_len"_a, "depth"_a, "prob"_a)
+      .def_property_readonly("num_sources", &sssd::ScoreTable::num_sources)
       .def_property_readonly("calibrated", &sssd::ScoreTable::calibrated)
       .def_property_readonly("max_match", &sssd::ScoreTable::max_match)
       .def_property_readonly("max_depth", &sssd::ScoreTable::max_depth);
@@ -369,15 +371,25 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         std::optional<Tokens> ext_tokens;
         std::optional<Borrowed<int64_t>> ext_offsets;
         std::optional<Borrowed<int32_t>> ext_parents;
-        std::optional<Borrowed<float>> ext_probs;
+        std::optional<Borrowed<float>> ext_weights, ext_q;
+        std::optional<Borrowed<uint8_t>> ext_sources;
         py::dict ext_dict;
         if (!external.is_none()) {
+          // {offsets, tokens, parents, weights[, q, sources]}; or {..., probs}: one model source
+          // whose q also ranks its candidates.
           ext_dict = external.cast<py::dict>();
           ext_tokens.emplace(ext_dict["tokens"].cast<py::array>(), "external tokens");
           ext_offsets.emplace(ext_dict["offsets"].cast<py::array>(), "external offsets");
           ext_parents.emplace(ext_dict["parents"].cast<py::array>(), "external parents");
-          ext_probs.emplace(ext_dict["probs"].cast<py::array>(), "external probs");
-          ext = sssd::ExternalTrees{*ext_offsets, ext_tokens->span(), *ext_parents, *ext_probs};
+          const bool legacy = !ext_dict.contains("weights");
+          ext_weights.emplace(ext_dict[legacy ? "probs" : "weights"].cast<py::array>(), "external weights");
+          if (legacy || ext_dict.contains("q")) {
+            ext_q.emplace(ext_dict[legacy ? "probs" : "q"].cast<py::array>(), "external q");
+          }
+          if (ext_dict.contains("sources")) ext_sources.emplace(ext_dict["sources"].cast<py::array>(), "external sources");
+          ext = sssd::ExternalTrees{*ext_offsets, ext_tokens->span(), *ext_parents, *ext_weights,
+                                    ext_q ? std::span<const float>(*ext_q) : std::span<const float>{},
+                                    ext_sources ? std::span<const uint8_t>(*ext_sources) : std::span<const uint8_t>{}};
         }
         sssd::DraftBatch batch;
         {
@@ -401,24 +413,16 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   m.def("merge_trees", [](py::list trees, const sssd::ScoreTable& table, int budget) {
     // Builds each tree from parent-pointer arrays, then runs the merger.
     std::vector<sssd::ContinuationTree> owned(trees.size());
-    std::vector<std::vector<float>> probs(trees.size());
     std::vector<sssd::SourceTree> views;
     for (size_t i = 0; i < trees.size(); ++i) {
       py::dict t = trees[i].cast<py::dict>();
       const auto tok = borrow<sssd::token_t>(t["tokens"], "tokens");
       const auto par = borrow<int32_t>(t["parents"], "parents");
       const auto w = borrow<double>(t["weights"], "weights");
-      SSSD_CHECK_ARG(par.size() == tok.size() && w.size() == tok.size(), "tree ", i,
-                     ": tokens, parents and weights differ in length");
-      std::vector<uint32_t> ids(tok.size());
-      for (size_t k = 0; k < tok.size(); ++k) {
-        SSSD_CHECK_ARG(par[k] >= -1 && par[k] < int32_t(k), "tree ", i, ": parent[", k, "] = ", par[k],
-                       " must be -1 or an earlier node");
-        ids[k] = owned[i].child(par[k] < 0 ? 0 : ids[size_t(par[k])], tok[k]);
-        owned[i].nodes()[ids[k]].weight = float(w[k]);
-      }
+      const std::vector<float> weights(w.begin(), w.end());
+      sssd::build_from_parents(owned[i], tok, par, weights, sssd::PathWeight::kAbsolute);
       const int source = t["source"].cast<int>();
-      SSSD_CHECK_ARG(source >= 0 && source < sssd::kNumSources, "unknown source ", source);
+      SSSD_CHECK_ARG(source >= 0 && source < sssd::kMaxSources, "unknown source ", source);
       sssd::SourceTree v = owned[i].view(sssd::Source(source), t["match_len"].cast<int>(),
                                          t["max_depth"].cast<int>());
       v.total = t["total"].cast<double>();

@@ -8,6 +8,7 @@
 #include "sssd/continuation_tree.h"
 #include "sssd/coro.h"
 #include "sssd/parallel.h"
+#include "sssd/parent_tree.h"
 #include "sssd/tree_merger.h"
 
 namespace sssd {
@@ -20,8 +21,11 @@ constexpr size_t kInterleave = 16;
 struct Drafter::Scratch {
   ContinuationTree datastore_trees[kInterleave];
   std::vector<Task<QueryStats>> queries;
-  ContinuationTree external_tree;
-  std::vector<float> external_q;
+  // One tree per external source tag (index tag - kExternal), and its nodes' q.
+  ContinuationTree external_trees[kMaxSources - int(Source::kExternal)];
+  std::vector<float> external_q[kMaxSources - int(Source::kExternal)];
+  std::vector<uint32_t> external_ids;
+  std::vector<double> external_path;
   std::vector<SourceTree> trees;
   TreeMerger merger;
 };
@@ -185,33 +189,43 @@ void Drafter::draft_one(const RequestTrie& trie, int budget, const ExternalTrees
         }
       }
     }
-    if (external) {
-      const int64_t begin = external->offsets[b], end = external->offsets[b + 1];
-      s.external_tree.clear();
-      s.external_q.assign(1, std::nanf(""));
-      // Node i of the slice becomes tree node ids[i]; weight = path probability.
-      std::vector<uint32_t> ids(size_t(end - begin));
-      std::vector<double> path(size_t(end - begin));
-      for (int64_t i = begin; i < end; ++i) {
-        const size_t k = size_t(i - begin);
-        const int32_t p = external->parents[size_t(i)];
-        const double q = external->probs[size_t(i)];
-        const uint32_t parent_node = p < 0 ? 0 : ids[size_t(p)];
-        ids[k] = s.external_tree.child(parent_node, external->tokens[size_t(i)]);
-        path[k] = (p < 0 ? 1.0 : path[size_t(p)]) * q;
-        s.external_tree.nodes()[ids[k]].weight = float(path[k]);
-        s.external_q.resize(s.external_tree.nodes().size(), std::nanf(""));
-        s.external_q[ids[k]] = float(q);
-      }
-      if (end > begin) {
-        SourceTree t = s.external_tree.view(Source::kExternal, 0, kMaxBudget);
-        t.total = 1.0;
-        t.draft_probs = s.external_q.data();
-        s.trees.push_back(t);
-      }
-    }
+    if (external) add_external(*external, b, s);
   }
   s.merger.merge(s.trees, params_.scores, budget, out);
+}
+
+void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) const {
+  const size_t begin = size_t(external.offsets[b]), end = size_t(external.offsets[b + 1]);
+  if (begin == end) return;
+  constexpr int kFirst = int(Source::kExternal);
+  bool used[kMaxSources] = {};
+  const size_t n = end - begin;
+  s.external_ids.resize(n);
+  s.external_path.resize(n);
+  const auto tokens = external.tokens.subspan(begin, n);
+  const auto parents = external.parents.subspan(begin, n);
+  const auto weights = external.weights.subspan(begin, n);
+  for (size_t k = 0; k < n; ++k) {
+    const int tag = external.sources.empty() ? kFirst : int(external.sources[begin + k]);
+    ContinuationTree& tree = s.external_trees[tag - kFirst];
+    std::vector<float>& q = s.external_q[tag - kFirst];
+    if (!used[tag]) {
+      used[tag] = true;
+      tree.clear();
+      q.assign(1, std::nanf(""));
+    }
+    // Node k becomes tree node external_ids[k]; its weight is the path probability.
+    add_parent_node(tree, tokens, parents, weights, PathWeight::kConditional, k, s.external_ids, s.external_path);
+    q.resize(tree.nodes().size(), std::nanf(""));
+    q[s.external_ids[k]] = external.q.empty() ? std::nanf("") : external.q[begin + k];
+  }
+  for (int tag = kFirst; tag < kMaxSources; ++tag) {
+    if (!used[tag]) continue;
+    SourceTree t = s.external_trees[tag - kFirst].view(Source(tag), 0, kMaxBudget);
+    t.total = 1.0;
+    t.draft_probs = s.external_q[tag - kFirst].data();
+    s.trees.push_back(t);
+  }
 }
 
 void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
@@ -226,19 +240,33 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     SSSD_CHECK_ARG(external->offsets.size() == n + 1, "external offsets must have ", n + 1,
                    " entries, got ", external->offsets.size());
     const size_t total = external->tokens.size();
-    SSSD_CHECK_ARG(external->parents.size() == total && external->probs.size() == total,
-                   "external tokens, parents and probs must have the same length");
+    SSSD_CHECK_ARG(external->parents.size() == total && external->weights.size() == total &&
+                       (external->q.empty() || external->q.size() == total) &&
+                       (external->sources.empty() || external->sources.size() == total),
+                   "external tokens, parents, weights, q and sources must have the same length");
     SSSD_CHECK_ARG(external->offsets[0] == 0 && size_t(external->offsets[n]) == total,
                    "external offsets must start at 0 and end at the number of nodes");
     for (size_t b = 0; b < n; ++b) {
       const int64_t begin = external->offsets[b], end = external->offsets[b + 1];
       SSSD_CHECK_ARG(begin <= end, "external offsets must be non-decreasing");
+      const auto parents = external->parents.subspan(size_t(begin), size_t(end - begin));
+      check_parents(parents, "external candidates");
       for (int64_t i = begin; i < end; ++i) {
-        const int32_t p = external->parents[size_t(i)];
-        SSSD_CHECK_ARG(p >= -1 && p < int32_t(i - begin), "external parent[", i, "] = ", p,
-                       " must be -1 or an earlier node of the same request");
-        const float q = external->probs[size_t(i)];
-        SSSD_CHECK_ARG(q >= 0.0f && q <= 1.0f, "external prob[", i, "] = ", q, " is outside [0, 1]");
+        const float w = external->weights[size_t(i)];
+        SSSD_CHECK_ARG(w >= 0.0f && w <= 1.0f, "external weight[", i, "] = ", w, " is outside [0, 1]");
+        if (!external->q.empty()) {
+          const float q = external->q[size_t(i)];
+          SSSD_CHECK_ARG(std::isnan(q) || (q >= 0.0f && q <= 1.0f), "external q[", i, "] = ", q,
+                         " is outside [0, 1] (NaN: none)");
+        }
+        if (!external->sources.empty()) {
+          const int tag = external->sources[size_t(i)];
+          SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < kMaxSources, "external source[", i, "] = ", tag,
+                         " must be in [", int(Source::kExternal), ", ", kMaxSources, ")");
+          const int32_t p = parents[size_t(i - begin)];
+          SSSD_CHECK_ARG(p < 0 || external->sources[size_t(begin + p)] == tag, "external node ", i,
+                         " hangs under a node of another source");
+        }
       }
     }
     check_tokens(external->tokens, "external tokens");

@@ -2,6 +2,7 @@
 
 #include "sssd/check.h"
 #include "sssd/continuation_tree.h"
+#include "sssd/parent_tree.h"
 
 #include <algorithm>
 #include <cmath>
@@ -144,11 +145,8 @@ std::pair<std::vector<int64_t>, std::vector<int32_t>> best_chains(std::span<cons
   }
   // Every offset is now in [0, parents.size()].
   for (size_t b = 0; b + 1 < offsets.size(); ++b) {
-    for (int64_t i = offsets[b]; i < offsets[b + 1]; ++i) {
-      const int32_t p = parents[size_t(i)];
-      SSSD_CHECK_ARG(p >= -1 && p < i - offsets[b], "parents[", i, "] = ", p,
-                     ": parents must be -1 or an earlier node of the same tree");
-    }
+    check_parents(parents.subspan(size_t(offsets[b]), size_t(offsets[b + 1] - offsets[b])),
+                  detail::concat("best_chains: tree ", b));
   }
   std::pair<std::vector<int64_t>, std::vector<int32_t>> out;
   auto& [out_offsets, nodes] = out;

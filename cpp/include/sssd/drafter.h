@@ -35,15 +35,19 @@ struct DrafterParams {
   uint64_t vocab_size = 0;           ///< token ids must be < this (0: any id < 2^32 - 1)
 };
 
-/// Caller-supplied draft trees for a batch (e.g. from a model drafter), in
-/// CSR form: request b owns entries [offsets[b], offsets[b+1]). Parents index
-/// within the request's slice (-1: root) and precede their children; probs
-/// are conditional q(token | parent path) in [0, 1].
+/// Caller-supplied draft candidates for a batch (from model drafters or any
+/// other source), in CSR form: request b owns entries [offsets[b],
+/// offsets[b+1]). Parents index within the request's slice (-1: root),
+/// precede their children and belong to the same source. Each source
+/// (sources[i], a tag >= kExternal; all kExternal when empty) becomes one
+/// tree of the merge, weighed by its own score-table cells.
 struct ExternalTrees {
   std::span<const int64_t> offsets;
   std::span<const token_t> tokens;
   std::span<const int32_t> parents;
-  std::span<const float> probs;
+  std::span<const float> weights;  ///< ranking: conditional probability of the node given its parent, in [0, 1]
+  std::span<const float> q;        ///< the real draft probability q(token | parent path), NaN if none; may be empty
+  std::span<const uint8_t> sources;  ///< per-node source tag; may be empty
 };
 
 /// Validates drafter parameters; throws std::invalid_argument naming the field.
@@ -96,6 +100,7 @@ class Drafter {
 
  private:
   struct Scratch;
+  void add_external(const ExternalTrees& external, size_t b, Scratch& s) const;
   void draft_group(const RequestTrie* const* tries, const int32_t* budgets, const ExternalTrees* external,
                    size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
   void draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,

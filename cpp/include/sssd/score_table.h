@@ -43,16 +43,19 @@ class ScoreTable {
   /// All discounts 1, no curves (raw probabilities).
   ScoreTable() : ScoreTable(1, 1, std::vector<double>(size_t(kNumSources) * 2 * 2, 1.0)) {}
 
-  /// factors has kNumSources * (max_match + 1) * (max_depth + 1) entries,
+  /// factors has num_sources * (max_match + 1) * (max_depth + 1) entries,
   /// laid out [source][match_len][depth]; all finite and >= 0. `curve_of`
   /// (same layout, or empty) names each cell's curve in `curves` (-1: none).
+  /// Sources at or beyond num_sources use the last source's cells.
   ScoreTable(int max_match, int max_depth, std::vector<double> factors,
-             std::vector<int32_t> curve_of = {}, std::vector<Curve> curves = {})
-      : max_match_(max_match), max_depth_(max_depth), factors_(std::move(factors)),
+             std::vector<int32_t> curve_of = {}, std::vector<Curve> curves = {}, int num_sources = kNumSources)
+      : max_match_(max_match), max_depth_(max_depth), num_sources_(num_sources), factors_(std::move(factors)),
         curve_of_(std::move(curve_of)), curves_(std::move(curves)) {
     SSSD_CHECK_ARG(max_match >= 0 && max_depth >= 1, "score table needs max_match >= 0 and max_depth >= 1");
+    SSSD_CHECK_ARG(num_sources >= 1 && num_sources <= kMaxSources, "score table sources must be in [1, ",
+                   kMaxSources, "], got ", num_sources);
     // In size_t: max_match + 1 overflows int for max_match = INT_MAX.
-    const size_t cells = size_t(kNumSources) * (size_t(max_match) + 1) * (size_t(max_depth) + 1);
+    const size_t cells = size_t(num_sources) * (size_t(max_match) + 1) * (size_t(max_depth) + 1);
     SSSD_CHECK_ARG(factors_.size() == cells, "score table has ", factors_.size(), " factors, expected ", cells);
     for (double f : factors_) {
       SSSD_CHECK_ARG(f >= 0 && f <= 1e30, "discount factors must be finite and >= 0, got ", f);
@@ -83,17 +86,20 @@ class ScoreTable {
 
   int max_match() const { return max_match_; }
   int max_depth() const { return max_depth_; }
+  int num_sources() const { return num_sources_; }
   bool calibrated() const { return !curves_.empty(); }
 
  private:
   size_t cell(Source source, int match_len, int depth) const {
+    const size_t s = size_t(std::min(int(source), num_sources_ - 1));
     const size_t m = size_t(std::clamp(match_len, 0, max_match_));
     const size_t d = size_t(std::clamp(depth, 1, max_depth_));
-    return (size_t(source) * (size_t(max_match_) + 1) + m) * (size_t(max_depth_) + 1) + d;
+    return (s * (size_t(max_match_) + 1) + m) * (size_t(max_depth_) + 1) + d;
   }
 
   int max_match_;
   int max_depth_;
+  int num_sources_;
   std::vector<double> factors_;
   std::vector<int32_t> curve_of_;
   std::vector<Curve> curves_;

@@ -17,11 +17,16 @@ inline constexpr token_t kSeparator = std::numeric_limits<token_t>::max();
 inline constexpr token_t kMaxTokenId = kSeparator - 1;
 
 /// Where a draft node came from (the `source` tag of a draft tree node).
+/// Tags from kExternal up name the caller's sources (a model drafter, ...),
+/// one tag each: kExternal, kExternal + 1, ...
 enum class Source : uint8_t {
   kDatastore = 0,  ///< the offline suffix-array datastore
   kInput = 1,      ///< the request's own prompt + generated tokens
-  kExternal = 2,   ///< a tree supplied by the caller (e.g. a model drafter)
+  kExternal = 2,   ///< the first tree supplied by the caller (e.g. a model drafter)
 };
+/// Sources of a default score table (datastore, input, one external).
 inline constexpr int kNumSources = 3;
+/// Source tags are below this (so at most kMaxSources - 2 external sources).
+inline constexpr int kMaxSources = 16;
 
 }  // namespace sssd
