@@ -244,16 +244,21 @@ _cached: dict[tuple, Drafter] = {}
 
 
 def draft(prefix: Any, budget: int | None = None, *, datastore: Datastore | str | Path | None = DEFAULT,
-          config: DrafterConfig | None = None, **overrides: Any) -> DraftTree:
+          config: DrafterConfig | None = None, tokenizer: Any = None, **overrides: Any) -> DraftTree:
     """Drafts a token tree continuing ``prefix`` (the library call ``sssd.draft``).
 
     Sources: the datastore (default: the default datastore) and the prefix
     itself as the input source; merged as in the paper's Algorithm 1.
 
     Args:
-        prefix: non-empty sequence of token ids; its last token is the tree's root.
+        prefix: a text, or a non-empty sequence of token ids; its last token is
+            the tree's root. A text is tokenized with the tokenizer the
+            datastore records (or ``tokenizer``), and the tree can render its
+            tokens as text (``tree.token_texts()``, ``tree.format()``).
         budget: candidate tokens in the tree (default: config.budget = 32).
         datastore: Datastore, directory, "default", or None (input source only).
+        tokenizer: for a text prefix: a tokenizer spec (sssd.tokenizer.load_tokenizer)
+            instead of the datastore's.
         config / overrides: DrafterConfig and field overrides.
 
     Returns:
@@ -268,4 +273,35 @@ def draft(prefix: Any, budget: int | None = None, *, datastore: Datastore | str 
             if len(_cached) >= 8:
                 _cached.pop(next(iter(_cached)))
             _cached[key] = drafter
-    return drafter.draft_prefix(prefix, budget)
+    if not isinstance(prefix, str):
+        tok = _tokenizer_of(drafter, tokenizer) if tokenizer is not None else None
+        tree = drafter.draft_prefix(prefix, budget)
+        return tree.with_tokenizer(tok) if tok is not None else tree
+    tok = _tokenizer_of(drafter, tokenizer)
+    ids = tok.encode(prefix)
+    if not ids:
+        raise ValueError("the text prefix has no tokens")
+    return drafter.draft_prefix(ids, budget).with_tokenizer(tok)
+
+
+_tokenizers: dict[Any, Any] = {}
+
+
+def _tokenizer_of(drafter: Drafter, spec: Any = None):
+    """The tokenizer for text prefixes: `spec`, else the one the drafter's datastore records (cached)."""
+    from sssd.tokenizer import load_tokenizer
+
+    if spec is not None:
+        return load_tokenizer(spec)
+    ds = drafter.datastore
+    if ds is None or not (ds.manifest.get("tokenizer") or {}):
+        raise ValueError("a text prefix needs a tokenizer: this datastore records none (or there is no datastore); "
+                         "pass token ids, or tokenizer=... (a tokenizer.json, model folder or .gguf file)")
+    key = (str(ds.path), (ds.manifest.get("tokenizer") or {}).get("sha256"))
+    with _cache_lock:
+        tok = _tokenizers.get(key)
+    if tok is None:
+        tok = ds.load_tokenizer()
+        with _cache_lock:
+            _tokenizers[key] = tok
+    return tok

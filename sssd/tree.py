@@ -8,8 +8,9 @@ ancestors and itself) and position ids, for the root included or not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -69,9 +70,26 @@ class DraftTree:
     draft_probs: np.ndarray
     probs: np.ndarray | None = None
     match_lens: np.ndarray | None = None
+    tokenizer: Any = field(default=None, compare=False, repr=False)  # renders tokens as text when set
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def with_tokenizer(self, tokenizer: Any) -> DraftTree:
+        """The same tree, rendering its tokens with `tokenizer` (anything with decode(ids) -> str)."""
+        return dataclasses.replace(self, tokenizer=tokenizer)
+
+    def token_texts(self) -> list[str]:
+        """Each node's token as text (needs a tokenizer: see with_tokenizer)."""
+        if self.tokenizer is None:
+            raise ValueError("this tree has no tokenizer to render its tokens (draft from a text, or with_tokenizer)")
+        return [self.tokenizer.decode([int(t)]) for t in self.tokens]
+
+    def text(self, node: int) -> str:
+        """The text from the root down to `node`."""
+        if self.tokenizer is None:
+            raise ValueError("this tree has no tokenizer to render its tokens (draft from a text, or with_tokenizer)")
+        return self.tokenizer.decode(self.path(node))
 
     @property
     def max_depth(self) -> int:
@@ -120,7 +138,9 @@ class DraftTree:
         return {SOURCE_NAMES[s]: int((self.sources == s).sum()) for s in SOURCE_NAMES}
 
     def format(self, decode=None, max_paths: int = 20) -> str:
-        """Human-readable branches, best first (decode: ids -> str, optional)."""
+        """Human-readable branches, best first (decode: ids -> str; default: the tree's tokenizer if any)."""
+        if decode is None and self.tokenizer is not None:
+            decode = self.tokenizer.decode
         leaves = sorted(self.leaves(), key=lambda i: -float(self.scores[i]))
         lines = []
         for leaf in leaves[:max_paths]:

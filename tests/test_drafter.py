@@ -391,3 +391,43 @@ def test_request_ids_are_the_integers_from_0_to_2_64_everywhere(store):
             native.open(bad, np.array([1], dtype=np.uint32))
     with pytest.raises(TypeError):
         d.draft([1.5, 2.5], 4)
+
+
+def test_draft_a_text_with_the_datastores_own_tokenizer(tmp_path, monkeypatch):
+    """sssd.draft("text") tokenizes with the tokenizer the datastore records (tokenizers, not
+    transformers), gives the same tree as the ids, and renders its tokens as text."""
+    import json
+
+    from sssd.cli import main
+    from sssd.tokenizer import load_tokenizer
+
+    from test_builder_support import conversations, make_tokenizer
+
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "c.json").write_text(json.dumps(conversations(60)))
+    assert main(["build", str(tmp_path / "c.json"), "-o", str(tmp_path / "ds"), "-t", str(tok)]) == 0
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    text = ds.load_tokenizer().decode(ds.tokens[:12].tolist())  # a prefix of a real document
+    by_text = sssd.draft(text, budget=12, datastore=ds)
+    ids = load_tokenizer(tok).encode(text)
+    by_ids = sssd.draft(ids, budget=12, datastore=ds)
+    assert len(by_text) > 0 and np.array_equal(by_text.tokens, by_ids.tokens)
+    assert np.array_equal(by_text.parents, by_ids.parents)
+    words = by_text.token_texts()
+    assert len(words) == len(by_text) and all(isinstance(w, str) for w in words)
+    assert by_text.text(len(by_text) - 1) and "'" in by_text.format(max_paths=3)  # branches shown as text
+    with pytest.raises(ValueError, match="tokenizer"):
+        sssd.draft("some text", datastore=None)
+
+
+def test_drafting_from_text_needs_no_torch_or_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, sssd\n"
+            "ds = sssd.Datastore.from_tokens(np.array([3, 4, 5, 3, 4, 6], dtype=np.uint32))\n"
+            "sssd.draft([3, 4], datastore=ds)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
