@@ -38,6 +38,26 @@ def test_batch_draft_equals_single_drafts(store):
         np.testing.assert_array_equal(tree.scores, one.scores)
 
 
+def test_one_and_two_threads_draft_identical_trees_for_a_large_batch(store):
+    """The OpenMP split of a batch (groups of requests per thread) must not change any tree."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 30, int(rng.integers(1, 60))) for _ in range(192)]
+    budgets = rng.integers(0, 64, len(prompts))
+    external = sssd.tree.concat([sssd.DraftTree(rng.integers(0, 30, 3), np.array([-1, 0, 0], np.int32),
+                                                np.array([1, 2, 2], np.int32), np.ones(3, np.float32),
+                                                np.full(3, 2, np.uint8), np.full(3, 0.5, np.float32))
+                                 for _ in prompts])
+    out = []
+    for threads in (1, 2):
+        d = sssd.Drafter(store, budget=16, num_threads=threads)
+        for i, p in enumerate(prompts):
+            d.open(i, p)
+        out.append(d.draft(list(range(len(prompts))), budgets, external=external))
+    for name in ("offsets", "tokens", "parents", "depths", "scores", "sources", "draft_probs"):
+        np.testing.assert_array_equal(getattr(out[0], name), getattr(out[1], name), err_msg=name)
+    assert out[0].tokens.size > 1000
+
+
 def test_extend_equals_reopen(store):
     rng = np.random.default_rng(1)
     d = sssd.Drafter(store)

@@ -223,14 +223,18 @@ def test_sampled_sequences_follow_the_models_distribution(llama):
 
     temperature, prompt = 2.0, PROMPTS[1]
     ref = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    with torch.no_grad():
-        p1 = torch.softmax(ref(torch.tensor(prompt)[None]).logits[0, -1] / temperature, -1)
-        top = torch.topk(p1, 6).indices.tolist()
-        joint = {}
-        for t1 in top:
-            p2 = torch.softmax(ref(torch.tensor(prompt + [t1])[None]).logits[0, -1] / temperature, -1)
-            for t2 in torch.topk(p2, 4).indices.tolist():
-                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+
+    def pair_probs(t: float, pairs=None) -> dict:
+        with torch.no_grad():
+            p1 = torch.softmax(ref(torch.tensor(prompt)[None]).logits[0, -1] / t, -1)
+            out = {}
+            for t1 in ([a for a, _ in pairs] if pairs else torch.topk(p1, 6).indices.tolist()):
+                p2 = torch.softmax(ref(torch.tensor(prompt + [t1])[None]).logits[0, -1] / t, -1)
+                for t2 in ([b for a, b in pairs if a == t1] if pairs else torch.topk(p2, 4).indices.tolist()):
+                    out[(t1, t2)] = float(p1[t1] * p2[t2])
+            return out
+
+    joint = pair_probs(temperature)
     # the datastore proposes exactly the likely 2-token continuations
     stream = [t for (t1, t2) in joint for t in prompt[-3:] + [t1, t2, sssd.SEPARATOR]]
     ds = sssd.Datastore.from_tokens(np.array(stream, dtype=np.uint32))
@@ -246,15 +250,15 @@ def test_sampled_sequences_follow_the_models_distribution(llama):
         counts[key] = counts.get(key, 0) + 1
     keys = list(joint)
     observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
-    expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
-    chi2, pvalue = stats.chisquare(observed, expected)
+
+    def expected(probs: dict) -> list[float]:
+        return [probs[k] * n for k in keys] + [(1 - sum(probs.values())) * n]
+
+    chi2, pvalue = stats.chisquare(observed, expected(joint))
     assert pvalue > 1e-3, (chi2, pvalue)
-    # the test has power: a 5% bias on the likeliest pair would be detected
-    biased = list(observed)
-    shift = int(0.05 * observed[0])
-    biased[0] += shift
-    biased[-1] -= shift
-    assert stats.chisquare(biased, expected).pvalue < 1e-3 or shift < 25
+    # the test has power: a sampler whose temperature were off by a quarter would be caught
+    wrong = pair_probs(temperature * 1.25, pairs=keys)
+    assert stats.chisquare(observed, expected(wrong)).pvalue < 1e-3
 
 
 def test_llm_api_shape(llama):
