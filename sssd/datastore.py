@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 
 from sssd import _core
 from sssd._tokens import as_tokens
-from sssd.files import file_sha256
+from sssd.files import NotRegularFileError, check_regular, describe_mode, file_inside, file_sha256, is_plain_name, read_bytes
 
 SEPARATOR: int = int(_core.SEPARATOR)
 FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
@@ -38,32 +39,112 @@ class DatastoreError(_core.SSSDError):
     """A datastore is missing, corrupt, or incompatible."""
 
 
+#: A manifest is a few kilobytes; a larger "manifest" is refused unread.
+MAX_MANIFEST_BYTES = 64 << 20
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """Reads and checks a datastore's manifest.json.
+    """Reads and checks a datastore's manifest.json (see :func:`check_manifest`).
 
     Raises:
-        DatastoreError: missing, unreadable, not a manifest, or from a newer format.
+        DatastoreError: missing, unreadable, not a regular file, not a manifest,
+            from a newer format, or with malformed entries.
     """
     path = Path(path)
     mf = path / MANIFEST
-    if not path.exists():
-        raise DatastoreError(f"datastore not found: {path}")
-    if not mf.is_file():
-        raise DatastoreError(f"{path} is not a datastore: {MANIFEST} is missing")
     try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatastoreError(f"{mf}: unreadable manifest ({e})") from e
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DatastoreError(f"datastore not found: {path}") from None
+    except OSError as e:
+        raise DatastoreError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISDIR(mode):
+        kind = "a file" if stat.S_ISREG(mode) else describe_mode(mode)
+        raise DatastoreError(f"{path} is {kind}, not a datastore directory or archive")
+    try:
+        data = read_bytes(mf, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise DatastoreError(f"{path} is not a datastore: {MANIFEST} is missing") from None
+    except NotRegularFileError as e:
+        raise DatastoreError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise DatastoreError(f"{mf}: unreadable manifest ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise DatastoreError(f"{mf}: unreadable manifest ({e})") from None
+    return check_manifest(manifest, mf)
+
+
+def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
+    """Checks a parsed manifest's shape: its format and version, that every "files"
+    entry is a plain file name with a byte count and sha256, the counts are
+    non-negative integers, and the "tokenizer" entry (if any) is well formed.
+
+    Returns ``manifest``.
+
+    Raises:
+        DatastoreError: the first problem, naming ``where`` and the entry.
+    """
     if not isinstance(manifest, dict) or manifest.get("format") != "sssd-datastore":
-        raise DatastoreError(f"{mf}: not an SSSD datastore manifest")
+        raise DatastoreError(f"{where}: not an SSSD datastore manifest")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version < 1:
-        raise DatastoreError(f"{mf}: invalid format_version {version!r}")
+    if not _is_int(version) or version < 1:
+        raise DatastoreError(f"{where}: invalid format_version {version!r}")
     if version > FORMAT_VERSION:
         raise DatastoreError(
-            f"{mf}: format version {version} is newer than this sssd supports ({FORMAT_VERSION}); upgrade sssd"
+            f"{where}: format version {version} is newer than this sssd supports ({FORMAT_VERSION}); upgrade sssd"
         )
+    for key in ("num_tokens", "num_docs", "vocab_size", "index_bytes"):
+        if manifest.get(key) is not None and not (_is_int(manifest[key]) and manifest[key] >= 0):
+            raise DatastoreError(f"{where}: {key} is {manifest[key]!r}, not a non-negative integer")
+    if manifest.get("fingerprint") is not None and not isinstance(manifest["fingerprint"], str):
+        raise DatastoreError(f"{where}: fingerprint is {manifest['fingerprint']!r}, not a string")
+    files = manifest.get("files")
+    if files is not None:
+        if not isinstance(files, dict):
+            raise DatastoreError(f"{where}: \"files\" is a {type(files).__name__}, not an object")
+        for name, info in files.items():
+            if not is_plain_name(name) or name == MANIFEST:
+                raise DatastoreError(f"{where}: file entry {name!r} is not a plain file name inside the datastore "
+                                     "folder; refusing to use it")
+            if not isinstance(info, dict):
+                raise DatastoreError(f"{where}: file entry {name!r} is a {type(info).__name__}, not an object")
+            if "bytes" in info and not (_is_int(info["bytes"]) and info["bytes"] >= 0):
+                raise DatastoreError(f"{where}: file entry {name!r} has bytes {info['bytes']!r}, not a non-negative integer")
+            if "sha256" in info and not _is_sha256(info["sha256"]):
+                raise DatastoreError(f"{where}: file entry {name!r} has sha256 {info['sha256']!r}, not 64 hex digits")
+    hold = manifest.get("holdout")
+    if hold is not None and not (isinstance(hold, dict) and (hold.get("file") is None or is_plain_name(hold["file"]))):
+        raise DatastoreError(f"{where}: holdout file {hold.get('file') if isinstance(hold, dict) else hold!r} is not a "
+                             "plain file name inside the datastore folder; refusing to use it")
+    tok = manifest.get("tokenizer")
+    if tok is not None:
+        if not isinstance(tok, dict):
+            raise DatastoreError(f"{where}: \"tokenizer\" is a {type(tok).__name__}, not an object")
+        if tok.get("file") is not None and not is_plain_name(tok["file"]):
+            raise DatastoreError(f"{where}: tokenizer file {tok['file']!r} is not a plain file name inside the "
+                                 "datastore folder; refusing to use it")
+        for key in ("path", "name"):
+            if tok.get(key) is not None and not isinstance(tok[key], str):
+                raise DatastoreError(f"{where}: tokenizer {key} is {tok[key]!r}, not a string")
+        if tok.get("sha256") is not None and not _is_sha256(tok["sha256"]):
+            raise DatastoreError(f"{where}: tokenizer sha256 is {tok['sha256']!r}, not 64 hex digits")
+        vocab = tok.get("vocab_size")
+        if vocab is not None and not (_is_int(vocab) and 0 < vocab <= SEPARATOR):
+            raise DatastoreError(f"{where}: tokenizer vocab_size is {vocab!r}, not an integer in [1, 2^32 - 1]")
+        eos = tok.get("eos_token_id")
+        if eos is not None and not (_is_int(eos) and 0 <= eos < (vocab or SEPARATOR)):
+            raise DatastoreError(f"{where}: tokenizer eos_token_id is {eos!r}, not a token id of the vocabulary")
     return manifest
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_sha256(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 class Datastore:
@@ -96,6 +177,11 @@ class Datastore:
 
             path = unpack_cached(path)
         manifest = read_manifest(path)
+        for name in DATA_FILES:
+            try:
+                file_inside(path, name, "data file")
+            except ValueError as e:
+                raise DatastoreError(str(e)) from None
         try:
             native = _core.Datastore.open(str(path))
         except _core.SSSDError as e:
@@ -105,6 +191,12 @@ class Datastore:
             f"{native.fingerprint:016x}",
         ):
             raise DatastoreError(f"{path}: {MANIFEST} does not describe the data files (rebuild it)")
+        vocab = (manifest.get("tokenizer") or {}).get("vocab_size")
+        if vocab is not None and vocab < native.vocab_size:
+            raise DatastoreError(
+                f"{path / MANIFEST}: the tokenizer's vocab_size is {vocab}, but the token stream holds ids up to "
+                f"{native.vocab_size - 1}; the manifest does not describe this datastore (run `sssd verify {path}`)"
+            )
         return cls(native, path, manifest)
 
     @classmethod
@@ -201,12 +293,48 @@ class Datastore:
     def tokenizer_path(self) -> Path | None:
         """The tokenizer.json this datastore was built with (None if it records none).
 
-        Resolved inside the datastore directory first, so a moved datastore
-        still finds its own copy."""
+        A builder-made datastore keeps its own copy, recorded by name ("file"),
+        which must be a plain file inside the datastore directory (so a moved
+        datastore finds it, and a manifest cannot point anywhere else); without
+        one, the recorded absolute "path" is used.
+
+        Raises:
+            DatastoreError: the recorded file is missing, not a regular file, or
+                (through a symbolic link) outside the datastore directory.
+        """
         tok = self.manifest.get("tokenizer") or {}
-        if self.path is not None and tok.get("file") and (self.path / tok["file"]).is_file():
-            return self.path / tok["file"]
+        if tok.get("file") and self.path is not None:
+            return tokenizer_file(self.path, self.manifest)
         return Path(tok["path"]) if tok.get("path") else None
+
+    def load_tokenizer(self) -> Any:
+        """Loads the tokenizer this datastore records (:meth:`tokenizer_path`) and checks
+        that it is the one the manifest names (same sha256 identity and vocabulary).
+
+        Returns:
+            an ``sssd.tokenizer.Tokenizer``, or None if the datastore records none.
+
+        Raises:
+            DatastoreError: the file is missing or is not the tokenizer the manifest records.
+            ValueError: the file is not a loadable tokenizer.
+        """
+        from sssd.tokenizer import load_tokenizer
+
+        path = self.tokenizer_path()
+        if path is None:
+            return None
+        if not path.is_dir():
+            try:
+                check_regular(path)  # a FIFO would block the loader
+            except FileNotFoundError:
+                raise DatastoreError(f"{self.path}: the tokenizer {path} its manifest records is missing") from None
+            except OSError as e:
+                raise DatastoreError(str(e)) from None
+        tok = load_tokenizer(path)
+        problem = tokenizer_mismatch(self.manifest.get("tokenizer") or {}, tok)
+        if problem:
+            raise DatastoreError(f"{self.path}: {problem} (run `sssd verify {self.path}`)")
+        return tok
 
     @property
     def tokens(self) -> np.ndarray:
@@ -248,6 +376,38 @@ class Datastore:
     def __repr__(self) -> str:
         where = str(self.path) if self.path else "memory"
         return f"Datastore({where}: {self.size:,} tokens, {self.num_docs:,} documents)"
+
+
+def tokenizer_file(folder: Path, manifest: dict[str, Any]) -> Path | None:
+    """The tokenizer file a datastore directory's manifest records by name ("file"), or None.
+
+    Raises:
+        DatastoreError: the file is missing, not a regular file, not a plain name, or
+            a symbolic link leading out of ``folder``.
+    """
+    name = (manifest.get("tokenizer") or {}).get("file")
+    if not name:
+        return None
+    try:
+        path = file_inside(folder, name, "tokenizer file")
+        check_regular(path)
+    except FileNotFoundError:
+        raise DatastoreError(f"{folder}: the tokenizer file {name!r} its manifest records is missing "
+                             "(run `sssd verify`; rebuild or re-copy the datastore)") from None
+    except (ValueError, OSError) as e:
+        raise DatastoreError(str(e)) from None
+    return path
+
+
+def tokenizer_mismatch(recorded: dict[str, Any], tok: Any) -> str | None:
+    """Why a loaded tokenizer is not the one a manifest's "tokenizer" entry records, or None."""
+    if recorded.get("sha256") and recorded["sha256"] != tok.sha256:
+        return (f"the tokenizer file {tok.path} (sha256 {tok.sha256[:12]}, vocab {tok.vocab_size}) is not the tokenizer "
+                f"the manifest records (sha256 {recorded['sha256'][:12]}, vocab {recorded.get('vocab_size')})")
+    if recorded.get("vocab_size") is not None and recorded["vocab_size"] != tok.vocab_size:
+        return (f"the tokenizer file {tok.path} has {tok.vocab_size} ids, the manifest records vocab_size "
+                f"{recorded['vocab_size']}")
+    return None
 
 
 def _stream(tokens: Any) -> np.ndarray:

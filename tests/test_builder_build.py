@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import sssd
 from sssd.cli import main
 from sssd.datastore import DATA_FILES
 from sssd.datastore_builder import build as build_mod
+from sssd.files import file_sha256
 from sssd.tokenizer import load_tokenizer
 
 from test_builder_support import conversations, expected_stream, make_tokenizer, truncated_json, turns_of
@@ -250,6 +252,7 @@ def test_disk_full_while_writing(tmp_path, tok, capsys, monkeypatch):
     assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
 
 
+
 # -- atomicity ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", ["read", "tokenize", "index", "checksum", "manifest"])
@@ -311,7 +314,7 @@ def built(tmp_path, tok, capsys):
 
 @pytest.mark.parametrize("name", ["tokens.bin", "suffix_array.bin", "heldout.jsonl", "tokenizer.json"])
 def test_verify_catches_a_flipped_byte(built, capsys, name):
-    checks = len(DATA_FILES) + 3  # data files, tokenizer.json, heldout.jsonl, headers
+    checks = len(DATA_FILES) + 4  # data files, tokenizer.json, heldout.jsonl, tokenizer identity, headers
     rc, out, err = cli(capsys, "verify", built)
     assert rc == 0 and f"all {checks} checks passed" in out and out.count(" OK") == checks
     path = built / name
@@ -351,6 +354,122 @@ def test_newer_format_version_is_refused(built, capsys):
     for command in ("info", "verify"):
         rc, _, err = cli(capsys, command, built)
         assert rc == 1 and "newer than this sssd supports" in err and err.count("\n") == 1
+
+
+
+def _run_cli(*args, timeout=60):
+    """`sssd ARGS` in a child process, so that a hang fails the test instead of blocking the session."""
+    try:
+        return subprocess.run([sys.executable, "-m", "sssd.cli", *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"sssd {' '.join(map(str, args))} blocked for {timeout} s")
+
+
+def test_verify_refuses_fifos_without_blocking(built):
+    # Opening a FIFO for reading waits for a writer, forever if none comes.
+    for name in ("tokens.bin", "tokenizer.json", "heldout.jsonl"):
+        (built / name).unlink()
+        os.mkfifo(built / name)
+    proc = _run_cli("verify", built)
+    assert proc.returncode == 1, proc.stderr
+    for name in ("tokens.bin", "tokenizer.json", "heldout.jsonl"):
+        assert re.search(rf"^{re.escape(name)} +FAILED: it is a FIFO, not a regular file$", proc.stdout, re.M), proc.stdout
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    (built / "manifest.json").unlink()
+    os.mkfifo(built / "manifest.json")
+    proc = _run_cli("verify", built)
+    assert proc.returncode == 1 and "manifest.json: it is a FIFO, not a regular file" in proc.stderr
+    proc = _run_cli("info", built)
+    assert proc.returncode == 1 and "manifest.json: it is a FIFO, not a regular file" in proc.stderr
+    os.mkfifo(built.parent / "fifo.sssd.zst")
+    for command in ("verify", "info"):
+        proc = _run_cli(command, built.parent / "fifo.sssd.zst")
+        assert proc.returncode != 0 and "is a FIFO, not a datastore directory or archive" in proc.stderr
+
+
+def test_file_sha256_refuses_a_fifo_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    code = ("import sys\nfrom sssd.files import file_sha256\n"
+            "try:\n    file_sha256(sys.argv[1])\nexcept OSError as e:\n    print(e)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fifo")], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hashing a FIFO blocked")
+    assert proc.stdout.strip() == f"{tmp_path / 'fifo'}: it is a FIFO, not a regular file", proc.stderr
+
+
+def _edit_manifest(ds, edit):
+    m = json.loads((ds / "manifest.json").read_text())
+    edit(m)
+    (ds / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("entry", ["../../etc/passwd", "/etc/passwd", "..", "sub/tokens.bin", ""])
+def test_verify_refuses_manifest_entries_outside_the_folder(built, capsys, entry):
+    _edit_manifest(built, lambda m: m["files"].__setitem__(entry, {"bytes": 1, "sha256": "0" * 64}))
+    rc, out, err = cli(capsys, "verify", built)
+    assert rc == 1 and out == ""  # refused before anything is read
+    assert f"file entry {entry!r} is not a plain file name inside the datastore folder" in err and err.count("\n") == 1
+    with pytest.raises(sssd.DatastoreError, match="not a plain file name"):
+        sssd.Datastore.open(built)
+
+
+def test_verify_and_open_refuse_symlinks_out_of_the_folder(built, tmp_path, capsys):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes((built / "heldout.jsonl").read_bytes())
+    (built / "heldout.jsonl").unlink()
+    (built / "heldout.jsonl").symlink_to(outside)
+    rc, out, _ = cli(capsys, "verify", built)
+    assert rc == 1 and re.search(r"^heldout.jsonl +FAILED: .*symbolic link to .*outside.jsonl, outside the folder", out, re.M)
+    (built / "tokens.bin").rename(tmp_path / "tokens.bin")
+    (built / "tokens.bin").symlink_to(tmp_path / "tokens.bin")
+    with pytest.raises(sssd.DatastoreError, match="tokens.bin: data file is a symbolic link to .* outside the folder"):
+        sssd.Datastore.open(built)
+    # A symbolic link inside the folder, or the folder itself through a link, is fine.
+    (built / "tokens.bin").unlink()
+    (tmp_path / "tokens.bin").rename(built / "tokens.real")
+    (built / "tokens.bin").symlink_to("tokens.real")
+    (tmp_path / "link").symlink_to(built)
+    assert sssd.Datastore.open(tmp_path / "link").size > 0
+
+
+def test_verify_checks_the_tokenizer_identity_and_open_refuses_a_malformed_one(built, tmp_path, capsys):
+    rc, out, _ = cli(capsys, "verify", built)
+    assert rc == 0 and re.search(r"^tokenizer identity +OK$", out, re.M)
+    # The manifest's identity edited: the files still match their checksums.
+    _edit_manifest(built, lambda m: m["tokenizer"].__setitem__("sha256", "0" * 64))
+    rc, out, err = cli(capsys, "verify", built)
+    assert rc == 1 and re.search(r"^tokenizer identity +FAILED: .*is not the tokenizer the manifest records", out, re.M)
+    rc, _, err = cli(capsys, "draft", "--datastore", built, "question 7: how do I")
+    assert rc == 1 and "is not the tokenizer the manifest records" in err and err.count("\n") == 1
+    # Another tokenizer swapped in, with its checksum updated to match.
+    other = make_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=280)
+    (built / "tokenizer.json").write_bytes(other.read_bytes())
+    saved = json.loads((built / "manifest.json").read_text())["tokenizer"]["sha256"]
+    _edit_manifest(built, lambda m: (m["tokenizer"].__setitem__("sha256", saved),
+                                     m["files"].__setitem__("tokenizer.json", {"bytes": other.stat().st_size,
+                                                                               "sha256": file_sha256(other)})))
+    rc, out, _ = cli(capsys, "verify", built)
+    assert rc == 1 and re.search(r"^tokenizer.json +OK$", out, re.M) and "tokenizer identity  FAILED" in out
+    # Malformed tokenizer entries: open fails with a message naming the entry, not a traceback.
+    for edit, message in [(lambda m: m.__setitem__("tokenizer", "smollm2"), '"tokenizer" is a str, not an object'),
+                          (lambda m: m["tokenizer"].__setitem__("vocab_size", "abc"), "tokenizer vocab_size is 'abc'"),
+                          (lambda m: m["tokenizer"].__setitem__("vocab_size", -1), "tokenizer vocab_size is -1"),
+                          (lambda m: m["tokenizer"].__setitem__("vocab_size", 5), "the tokenizer's vocab_size is 5, but "
+                                                                                  "the token stream holds ids up to"),
+                          (lambda m: m["tokenizer"].__setitem__("file", "../../etc/passwd"), "tokenizer file "
+                                                                                            "'../../etc/passwd' is not a plain"),
+                          (lambda m: m["holdout"].__setitem__("file", "/etc/passwd"), "holdout file '/etc/passwd' is not")]:
+        saved = (built / "manifest.json").read_text()
+        _edit_manifest(built, edit)
+        with pytest.raises(sssd.DatastoreError, match=re.escape(message)):
+            sssd.Datastore.open(built)
+        for command in ("verify", "draft"):
+            rc, out, err = cli(capsys, command, *(["--datastore", built, "--ids", "1,2"] if command == "draft" else [built]))
+            assert rc == 1 and message in out + err and err.count("\n") == 1, (command, out, err)
+        (built / "manifest.json").write_text(saved)
 
 
 # -- pieces ---------------------------------------------------------------------------------

@@ -55,10 +55,12 @@ def setup(p: argparse.ArgumentParser):
         if args.ids is None:
             from sssd.tokenizer import load_tokenizer
 
-            spec = args.tokenizer or (datastore.tokenizer_path() if datastore else None)
-            if not spec:
-                raise ValueError("this datastore records no tokenizer; pass --tokenizer or use --ids")
-            tok = load_tokenizer(spec)
+            if args.tokenizer:
+                tok = load_tokenizer(args.tokenizer)
+            else:  # the datastore's own, checked against the identity its manifest records
+                tok = datastore.load_tokenizer() if datastore else None
+                if tok is None:
+                    raise ValueError("this datastore records no tokenizer; pass --tokenizer or use --ids")
         drafter = Drafter(datastore, config, tokenizer=tok, budget=args.budget)
         if args.ids is not None:
             ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x]

@@ -1,4 +1,4 @@
-"""``sssd verify DATASTORE``: recompute every file's sha256 and check the headers."""
+"""``sssd verify DATASTORE``: recompute every file's sha256, check the tokenizer and the headers."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 from sssd.cli import command
 
 
-@command("verify", help="Check a datastore's files against the sha256 checksums in its manifest, and its headers.")
+@command("verify", help="Check a datastore's files against the sha256 checksums in its manifest, its tokenizer "
+                        "against the identity the manifest records, and its headers.")
 def setup(p: argparse.ArgumentParser):
     p.add_argument("datastore", nargs="?", default="default",
-                   help="datastore directory, .sssd.zst archive, or 'default'")
+                   help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
@@ -23,11 +24,14 @@ def setup(p: argparse.ArgumentParser):
         if path.is_file():
             results = archive.verify(path)
         else:
-            manifest = read_manifest(path)
+            manifest = read_manifest(path)  # refuses entries that are not plain names inside the folder
             files = manifest.get("files") or {}
             if not files:
                 raise DatastoreError(f"{path}: the manifest lists no files to check")
-            results = {name: _check_file(path / name, info) for name, info in files.items()}
+            results = {name: _check_file(path, name, info) for name, info in files.items()}
+            tokenizer = _check_tokenizer(path, manifest)
+            if tokenizer is not None:
+                results["tokenizer identity"] = tokenizer
             try:
                 Datastore.open(path)
                 results["headers"] = "OK"
@@ -45,14 +49,39 @@ def setup(p: argparse.ArgumentParser):
     return run
 
 
-def _check_file(path: Path, info: dict) -> str:
-    if not path.is_file():
-        return "missing"
-    size = path.stat().st_size
-    if "bytes" in info and size != info["bytes"]:
-        return f"size {size:,} bytes, the manifest says {info['bytes']:,}"
-    from sssd.files import file_sha256
+def _check_file(folder: Path, name: str, info: dict) -> str:
+    """"OK" or what is wrong with one file the manifest lists (never blocks, never leaves the folder)."""
+    from sssd.files import NotRegularFileError, check_regular, file_inside, file_sha256
 
-    if file_sha256(path) != info.get("sha256"):
-        return "checksum mismatch (the file was modified or corrupted)"
+    try:
+        path = file_inside(folder, name)
+        size = check_regular(path).st_size
+        if "bytes" in info and size != info["bytes"]:
+            return f"size {size:,} bytes, the manifest says {info['bytes']:,}"
+        if file_sha256(path) != info.get("sha256"):
+            return "checksum mismatch (the file was modified or corrupted)"
+    except FileNotFoundError:
+        return "missing"
+    except NotRegularFileError as e:
+        return e.strerror  # "it is a FIFO, not a regular file"
+    except ValueError as e:  # a symbolic link out of the folder
+        return str(e)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
     return "OK"
+
+
+def _check_tokenizer(folder: Path, manifest: dict) -> str | None:
+    """"OK" if the tokenizer file inside the datastore is the tokenizer its manifest
+    records (sha256 identity and vocabulary), else why not; None if it records none."""
+    from sssd.datastore import DatastoreError, tokenizer_file, tokenizer_mismatch
+    from sssd.tokenizer import load_tokenizer
+
+    try:
+        path = tokenizer_file(folder, manifest)
+        if path is None:
+            return None
+        tok = load_tokenizer(path)
+    except (DatastoreError, ValueError, OSError) as e:
+        return str(e)
+    return tokenizer_mismatch(manifest.get("tokenizer") or {}, tok) or "OK"
