@@ -14,11 +14,21 @@ beginning. The others are the files the manifest lists. Opening an archive
 file's sha256 against the manifest, atomically (temporary directory, then
 rename; a process that loses the race uses the winner's copy); later opens
 hash the archive and map the cached directory.
+
+An archive is not trusted to be what it says (a decompression bomb is a few
+kilobytes that expand to terabytes): before anything is written, the
+manifest entry must be small, every file it lists must state its size, and
+the total must fit both a limit (:func:`unpack_limit`: MAX_RATIO times the
+archive's size, at least MIN_UNPACK_LIMIT, or $SSSD_MAX_UNPACKED_BYTES) and
+the free disk space; every entry must then be a file the manifest lists,
+once, of exactly the size it states, and the byte count is kept while
+streaming. Any violation stops the unpacking and removes what was written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -29,8 +39,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sssd.datastore import MANIFEST, DatastoreError
-from sssd.files import file_sha256
+from sssd.datastore import MANIFEST, MAX_MANIFEST_BYTES, DatastoreError, check_manifest
+from sssd.files import check_regular, file_sha256, open_regular
 from sssd.paths import cache_dir
 
 MAGIC = b"SSSDPACK"
@@ -41,6 +51,16 @@ _NAME = struct.Struct("<H")
 _SIZE = struct.Struct("<Q")
 _COPY = 1 << 22
 
+#: An archive may unpack to at most MAX_RATIO times its own size (a datastore
+#: compresses about 1.5 times: its suffix array is nearly incompressible) ...
+MAX_RATIO = 64
+#: ... or MIN_UNPACK_LIMIT bytes, whichever is larger ...
+MIN_UNPACK_LIMIT = 256 << 20
+#: ... unless this environment variable sets the limit (in bytes).
+LIMIT_ENV = "SSSD_MAX_UNPACKED_BYTES"
+#: Space left free on the disk after unpacking.
+DISK_MARGIN = 64 << 20
+
 
 def archive_path_for(directory: str | Path) -> Path:
     """Where ``sssd build --compress`` puts the archive of ``directory``."""
@@ -49,12 +69,31 @@ def archive_path_for(directory: str | Path) -> Path:
 
 
 def is_archive(path: str | Path) -> bool:
-    """Whether ``path`` is a file starting with the archive magic."""
+    """Whether ``path`` is a regular file starting with the archive magic (never blocks on a FIFO)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:
         return False
+
+
+def unpack_limit(archive: str | Path) -> int:
+    """The most bytes ``archive`` may unpack to: $SSSD_MAX_UNPACKED_BYTES if set, else
+    MAX_RATIO times the archive's size, at least MIN_UNPACK_LIMIT.
+
+    Raises:
+        DatastoreError: $SSSD_MAX_UNPACKED_BYTES is not a positive integer.
+    """
+    env = os.environ.get(LIMIT_ENV, "").strip()
+    if env:
+        try:
+            limit = int(env)
+        except ValueError:
+            limit = 0
+        if limit <= 0:
+            raise DatastoreError(f"{LIMIT_ENV}={env!r} is not a positive number of bytes")
+        return limit
+    return max(MIN_UNPACK_LIMIT, MAX_RATIO * os.stat(archive).st_size)
 
 
 def pack(directory: str | Path, archive: str | Path, *, level: int = 3, threads: int = -1,
@@ -68,9 +107,17 @@ def pack(directory: str | Path, archive: str | Path, *, level: int = 3, threads:
     """
     import zstandard
 
+    from sssd.datastore import read_manifest as read_directory_manifest
+    from sssd.files import file_inside
+
     directory, archive = Path(directory), Path(archive)
+    names = list(read_directory_manifest(directory).get("files") or {})  # checked: plain names only
+    for name in names:
+        try:
+            file_inside(directory, name)
+        except ValueError as e:
+            raise DatastoreError(str(e)) from None
     manifest_bytes = (directory / MANIFEST).read_bytes()
-    names = list(json.loads(manifest_bytes).get("files", {}))
     archive.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
     try:
@@ -81,7 +128,7 @@ def pack(directory: str | Path, archive: str | Path, *, level: int = 3, threads:
                 _write_entry(z, MANIFEST, len(manifest_bytes), [manifest_bytes])
                 for name in names:
                     path = directory / name
-                    _write_entry(z, name, path.stat().st_size, _chunks(path, progress))
+                    _write_entry(z, name, check_regular(path).st_size, _chunks(path, progress))
                 z.write(_NAME.pack(0))
             raw.flush()
             os.fsync(raw.fileno())
@@ -95,10 +142,7 @@ def pack(directory: str | Path, archive: str | Path, *, level: int = 3, threads:
 def read_manifest(archive: str | Path) -> dict[str, Any]:
     """The manifest stored in an archive (decompresses only the first entry)."""
     with _ArchiveReader(archive) as entries:
-        name, size, read = next(entries)
-        if name != MANIFEST:
-            raise DatastoreError(f"{archive}: corrupt archive (first entry is {name!r}, not {MANIFEST})")
-        return _parse_manifest(read(size), archive)
+        return _parse_manifest(_manifest_entry(entries, archive), archive)
 
 
 def unpack_cached(archive: str | Path) -> Path:
@@ -118,7 +162,13 @@ def unpack_cached(archive: str | Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.", dir=root))
     try:
-        unpack(archive, tmp)
+        try:
+            unpack(archive, tmp)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DatastoreError(f"{archive}: no space left on the device holding {root} while unpacking "
+                                     "(nothing was kept)") from None
+            raise
         _point_tokenizer_at(tmp, target)
         try:
             os.rename(tmp, target)
@@ -131,9 +181,16 @@ def unpack_cached(archive: str | Path) -> Path:
 
 
 def unpack(archive: str | Path, directory: str | Path) -> dict[str, Any]:
-    """Extracts an archive into an existing empty ``directory``, checking every sha256.
+    """Extracts an archive into an existing empty ``directory``, checking every sha256,
+    every entry's size against the manifest, and the total against :func:`unpack_limit`
+    and the free disk space (before writing anything).
 
     Returns the manifest.
+
+    Raises:
+        DatastoreError: corrupt, truncated, too large for the limit or the disk, or
+            its entries disagree with its manifest. What was written stays in
+            ``directory`` for the caller to remove (unpack_cached does).
     """
     return _walk(archive, Path(directory))
 
@@ -163,7 +220,7 @@ def _write_entry(z: BinaryIO, name: str, size: int, chunks) -> None:
 
 
 def _chunks(path: Path, progress: Callable[[int], None] | None) -> Iterator[bytes]:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_COPY):
             if progress:
                 progress(len(chunk))
@@ -180,11 +237,11 @@ class _ArchiveReader:
         import zstandard
 
         try:
-            self.raw = open(self.archive, "rb")
+            self.raw = open_regular(self.archive)
         except FileNotFoundError:
             raise DatastoreError(f"datastore not found: {self.archive}") from None
         except OSError as e:
-            raise DatastoreError(f"{self.archive}: cannot read ({e.strerror})") from None
+            raise DatastoreError(f"{self.archive}: cannot read ({e.strerror or e})") from None
         head = self.raw.read(_HEADER.size)
         if len(head) < _HEADER.size or head[:8] != MAGIC:
             self.raw.close()
@@ -216,7 +273,7 @@ class _ArchiveReader:
             if length == 0:
                 return
             name = self._read(length).decode("utf-8", "replace")
-            if "/" in name or "\\" in name or name in (".", ".."):
+            if "/" in name or "\\" in name or name in (".", "..") or any(ord(c) < 32 for c in name):
                 raise DatastoreError(f"{self.archive}: corrupt archive (bad entry name {name!r})")
             (size,) = _SIZE.unpack(self._read(_SIZE.size))
             yield name, size, self._read
@@ -226,33 +283,82 @@ class _ArchiveReader:
         self.raw.close()
 
 
+def _manifest_entry(entries, archive: str | Path) -> bytes:
+    """The first entry's bytes, which must be a manifest of at most MAX_MANIFEST_BYTES."""
+    name, size, read = next(entries)
+    if name != MANIFEST:
+        raise DatastoreError(f"{archive}: corrupt archive (first entry is {name!r}, not {MANIFEST})")
+    if size > MAX_MANIFEST_BYTES:
+        raise DatastoreError(f"{archive}: corrupt archive (its {MANIFEST} entry declares {size:,} bytes; a manifest "
+                             f"is at most {MAX_MANIFEST_BYTES:,})")
+    return read(size)
+
+
+#: verify() checks the tokenizer's identity if its file is at most this large.
+MAX_TOKENIZER_BYTES = 256 << 20
+
+
 def _walk(archive: str | Path, directory: Path | None, results: dict[str, str] | None = None) -> dict[str, Any]:
-    """Reads every entry, checking sizes and sha256s; writes them to ``directory`` if given."""
+    """Reads every entry, checking sizes and sha256s; writes them to ``directory`` if given.
+
+    Nothing is written before the manifest's declared sizes have been checked
+    against the limit and the free space; an entry is written only if the
+    manifest lists it, once, with the size the entry states.
+    """
     with _ArchiveReader(archive) as entries:
-        name, size, read = next(entries)
-        if name != MANIFEST:
-            raise DatastoreError(f"{archive}: corrupt archive (first entry is {name!r}, not {MANIFEST})")
-        raw_manifest = read(size)
+        raw_manifest = _manifest_entry(entries, archive)
         manifest = _parse_manifest(raw_manifest, archive)
+        expected = dict(manifest.get("files") or {})
+        unsized = [name for name, info in expected.items() if "bytes" not in info]
+        if unsized:
+            raise DatastoreError(f"{archive}: corrupt archive (its manifest gives no size for {', '.join(unsized)})")
+        declared = len(raw_manifest) + sum(info["bytes"] for info in expected.values())
+        limit = unpack_limit(archive)
+        if declared > limit:
+            raise DatastoreError(
+                f"{archive}: refusing to unpack: its manifest declares {declared:,} bytes uncompressed, more than the "
+                f"limit of {limit:,} ({MAX_RATIO} times the archive's size, at least {MIN_UNPACK_LIMIT >> 20} MiB; "
+                f"set {LIMIT_ENV} to allow more)"
+            )
         if directory is not None:
+            free = shutil.disk_usage(directory).free
+            if declared + DISK_MARGIN > free:
+                raise DatastoreError(f"{archive}: not enough disk space to unpack it into {directory.parent}: it needs "
+                                     f"{declared / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free")
             (directory / MANIFEST).write_bytes(raw_manifest)
-        expected = dict(manifest.get("files", {}))
+        tok_name = (manifest.get("tokenizer") or {}).get("file")
+        tok_bytes: bytes | None = None
+        total = len(raw_manifest)
         for name, size, read in entries:
             want = expected.pop(name, None)
+            if want is None:
+                again = name == MANIFEST or name in (manifest.get("files") or {})
+                raise DatastoreError(f"{archive}: corrupt archive (entry {name!r} "
+                                     f"{'appears twice' if again else 'is not listed in the manifest'})")
+            if size != want["bytes"]:
+                raise DatastoreError(f"{archive}: corrupt archive (entry {name!r} declares {size:,} bytes, the "
+                                     f"manifest says {want['bytes']:,})")
             h = hashlib.sha256()
-            with open(directory / name, "wb") if directory is not None else contextlib.nullcontext() as out:
+            keep = name == tok_name and results is not None and size <= MAX_TOKENIZER_BYTES
+            kept = bytearray()
+            with open(directory / name, "xb") if directory is not None else contextlib.nullcontext() as out:
                 left = size
                 while left:
                     chunk = read(min(left, _COPY))
+                    left -= len(chunk)
+                    total += len(chunk)
+                    if total > declared or total > limit:  # cannot happen given the checks above; never trust it
+                        raise DatastoreError(f"{archive}: corrupt archive (more data than its manifest declares)")
                     h.update(chunk)
                     if out is not None:
                         out.write(chunk)
-                    left -= len(chunk)
+                    if keep:
+                        kept += chunk
             problem = None
-            if want is None:
-                problem = "not listed in the manifest"
-            elif want.get("sha256") != h.hexdigest() or want.get("bytes", size) != size:
+            if want.get("sha256") != h.hexdigest():
                 problem = "checksum mismatch"
+            elif keep:
+                tok_bytes = bytes(kept)
             if results is not None:
                 results[name] = problem or "OK"
             elif problem:
@@ -262,22 +368,34 @@ def _walk(archive: str | Path, directory: Path | None, results: dict[str, str] |
                 results[name] = "missing from the archive"
             else:
                 raise DatastoreError(f"{archive}: {name} is missing from the archive")
+        if results is not None and tok_bytes is not None:
+            results["tokenizer identity"] = _tokenizer_identity_check(tok_bytes, manifest)
     return manifest
+
+
+def _tokenizer_identity_check(data: bytes, manifest: dict[str, Any]) -> str:
+    """"OK" if ``data`` (a tokenizer.json) is the tokenizer the manifest records, else why not."""
+    from tokenizers import Tokenizer as Backend
+
+    from sssd.datastore import tokenizer_mismatch
+    from sssd.tokenizer import Tokenizer
+
+    recorded = manifest.get("tokenizer") or {}
+    try:
+        tok = Tokenizer(Backend.from_str(data.decode("utf-8")), name=str(recorded.get("name")), path=Path(recorded["file"]))
+    except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        return f"{recorded['file']} is not a valid tokenizer.json ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+    return tokenizer_mismatch(recorded, tok) or "OK"
 
 
 def _parse_manifest(data: bytes, archive: str | Path) -> dict[str, Any]:
-    from sssd.datastore import FORMAT_VERSION
-
     try:
         manifest = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise DatastoreError(f"{archive}: unreadable manifest in archive ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "sssd-datastore":
         raise DatastoreError(f"{archive}: not an SSSD datastore archive")
-    version = manifest.get("format_version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        raise DatastoreError(f"{archive}: format version {version} is newer than this sssd supports ({FORMAT_VERSION}); upgrade sssd")
-    return manifest
+    return check_manifest(manifest, f"{archive}: {MANIFEST}")
 
 
 def _point_tokenizer_at(directory: Path, final: Path) -> None:

@@ -81,7 +81,7 @@ def test_cli_info_verify_and_draft_on_an_archive(built, capsys):
     assert "MiB compressed" in out and "held out       4 records" in out
     assert main(["verify", str(packed)]) == 0
     out = capsys.readouterr().out
-    assert f"all {len(DATA_FILES) + 2} checks passed" in out  # each file against the manifest, while decompressing
+    assert f"all {len(DATA_FILES) + 3} checks passed" in out  # each file against the manifest, while decompressing; the tokenizer identity
     assert main(["draft", "--datastore", str(packed), "question 7: how do I"]) == 0
     out = capsys.readouterr().out
     assert "best chain" in out and "reverse" in out  # continued from the archive's datastore
@@ -119,3 +119,110 @@ def test_read_manifest_reads_only_the_manifest(built):
     assert archive.is_archive(packed) and not archive.is_archive(directory / "manifest.json")
     # Compressed: the token stream compresses, the suffix array hardly does.
     assert packed.stat().st_size < sum(f["bytes"] for f in archive.read_manifest(packed)["files"].values())
+
+
+# -- archives that lie: decompression bombs, sizes, names ----------------------------------
+# Crafted from the documented layout: b"SSSDPACK" + uint32 version + uint32 0, then one
+# zstd frame of entries (uint16 name length, name, uint64 size, bytes), an empty name last.
+
+def _craft(path, manifest, entries):
+    import zstandard
+
+    with open(path, "wb") as raw:
+        raw.write(b"SSSDPACK" + struct.pack("<II", 1, 0))
+        with zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False) as z:
+            for name, size, chunks in [("manifest.json", None, None), *entries]:
+                if name == "manifest.json" and chunks is None:
+                    data = json.dumps(manifest).encode()
+                    size, chunks = len(data), [data]
+                z.write(struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<Q", size))
+                for chunk in chunks:
+                    z.write(chunk)
+            z.write(struct.pack("<H", 0))
+    return path
+
+
+def _zeros(n, chunk=1 << 22):
+    while n > 0:
+        yield bytes(min(n, chunk))
+        n -= chunk
+
+
+def _sha256_of_zeros(n):
+    import hashlib
+
+    h = hashlib.sha256()
+    for chunk in _zeros(n):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _real_entries(directory, manifest, skip=()):
+    return [(name, info["bytes"], [(directory / name).read_bytes()]) for name, info in manifest["files"].items()
+            if name not in skip]
+
+
+def _unpacked(cache):
+    root = cache / "datastores" / "unpacked"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_an_entry_larger_than_its_manifest_says_is_refused_before_writing(built, cache, tmp_path, capsys):
+    directory, _ = built
+    manifest = json.loads((directory / "manifest.json").read_text())
+    # tokens.bin claims (in its entry) 64 MiB of zeros; the manifest says a few KiB.
+    entries = [("tokens.bin", 64 << 20, _zeros(64 << 20)), *_real_entries(directory, manifest, skip={"tokens.bin"})]
+    bomb = _craft(tmp_path / "bomb.sssd.zst", manifest, entries)
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(sssd.DatastoreError, match=r"entry 'tokens.bin' declares 67,108,864 bytes, the manifest says"):
+        sssd.Datastore.open(bomb)
+    assert _unpacked(cache) == []  # the temporary directory was removed
+    assert main(["verify", str(bomb)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "declares 67,108,864 bytes" in err
+
+
+def test_a_decompression_bomb_is_refused_before_unpacking(built, cache, tmp_path, capsys, monkeypatch):
+    directory, _ = built
+    manifest = json.loads((directory / "manifest.json").read_text())
+    # Honest about its size: 300 MiB of zeros (the sha256 is right), in an archive of a few KiB.
+    big = 300 << 20
+    manifest["files"]["tokens.bin"] = {"bytes": big, "sha256": _sha256_of_zeros(big)}
+    entries = [("tokens.bin", big, _zeros(big)), *_real_entries(directory, manifest, skip={"tokens.bin"})]
+    bomb = _craft(tmp_path / "bomb.sssd.zst", manifest, entries)
+    with pytest.raises(sssd.DatastoreError, match=r"refusing to unpack: its manifest declares 3\d\d,\d{3},\d{3} bytes "
+                                                  r"uncompressed, more than the limit of 268,435,456"):
+        sssd.Datastore.open(bomb)
+    assert _unpacked(cache) == []
+    assert main(["verify", str(bomb)]) == 1 and "refusing to unpack" in capsys.readouterr().err
+    # A manifest claiming a petabyte, with a limit raised to allow it: the disk cannot hold it.
+    manifest["files"]["tokens.bin"] = {"bytes": 1 << 50, "sha256": "0" * 64}
+    liar = _craft(tmp_path / "liar.sssd.zst", manifest, _real_entries(directory, manifest, skip={"tokens.bin"}))
+    with pytest.raises(sssd.DatastoreError, match="refusing to unpack.*SSSD_MAX_UNPACKED_BYTES"):
+        sssd.Datastore.open(liar)
+    monkeypatch.setenv("SSSD_MAX_UNPACKED_BYTES", str(1 << 60))
+    with pytest.raises(sssd.DatastoreError, match="not enough disk space to unpack it"):
+        sssd.Datastore.open(liar)
+    assert _unpacked(cache) == []
+
+
+def test_entries_that_disagree_with_the_manifest_are_refused(built, cache, tmp_path):
+    directory, _ = built
+    manifest = json.loads((directory / "manifest.json").read_text())
+    real = _real_entries(directory, manifest)
+    cases = {
+        "not listed": (real + [("extra.bin", 3, [b"abc"])], "entry 'extra.bin' is not listed in the manifest"),
+        "twice": (real + [real[0]], "entry 'tokens.bin' appears twice"),
+        "manifest again": (real + [("manifest.json", 2, [b"{}"])], "entry 'manifest.json' appears twice"),
+    }
+    for name, (entries, message) in cases.items():
+        with pytest.raises(sssd.DatastoreError, match=message):
+            sssd.Datastore.open(_craft(tmp_path / f"{name}.sssd.zst", manifest, entries))
+        assert _unpacked(cache) == [], name
+    huge = dict(manifest, padding="x" * (65 << 20))  # a "manifest" too large to be one
+    with pytest.raises(sssd.DatastoreError, match="manifest.json entry declares .* a manifest is at most"):
+        sssd.Datastore.open(_craft(tmp_path / "fat.sssd.zst", huge, real))
+    evil = dict(manifest, files={"../escape.bin": {"bytes": 3, "sha256": "0" * 64}})
+    with pytest.raises(sssd.DatastoreError, match="not a plain file name"):
+        sssd.Datastore.open(_craft(tmp_path / "evil.sssd.zst", evil, []))
+    assert _unpacked(cache) == [] and not (tmp_path / "escape.bin").exists()
