@@ -143,9 +143,12 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
     clock.add("load tokenizer", time.perf_counter() - t0)
     bars = _Bars(cfg.progress)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(output)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-{os.getpid()}-", dir=output.parent))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(output)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-{os.getpid()}-", dir=output.parent))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create the datastore in {output.parent}: {e.strerror or e}") from None
     stats: list[SourceStats] = []
     try:
         # 1 + 2. read and tokenize, batch by batch.
@@ -327,6 +330,7 @@ def _manifest(cfg: BuildConfig, output: Path, tok: Tokenizer, tokens: np.ndarray
             "messages_field": cfg.fields.messages_field,
             "text_fields": list(cfg.fields.text_fields),
             "text_split": cfg.fields.text_split,
+            "max_record_bytes": cfg.fields.max_record_bytes,
             "holdout_every": holdout.every,
             "dedup": cfg.dedup,
             "strict": cfg.strict,

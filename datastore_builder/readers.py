@@ -16,7 +16,16 @@ Records of json/jsonl/parquet/arrow are objects whose text is either a chat
 message list (``messages_field``; "conversations" or "messages" by default)
 or one or more text fields (``text_fields``; "text" by default), each field
 a separate document. Readers never raise on a bad record: they count it in
-SourceStats with a reason (and fail only in strict mode).
+SourceStats with a reason (and fail only in strict mode). A bad record is
+one that is malformed, nested too deeply, holds a number too long to read,
+holds text that is not valid Unicode (a lone surrogate escape such as
+"\\ud800"), or is larger than ``Fields.max_record_bytes`` (16 MiB by
+default): a line, JSON value, paragraph or file that large is skipped while
+read, without holding it in memory (tokenizing it would take gigabytes).
+
+Text inputs may start with a byte-order mark: a UTF-8 one is dropped, and a
+UTF-16 or UTF-32 file (with its BOM, as Windows tools write them) is
+decoded to UTF-8 while read.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import glob
 import io
 import json
 import os
+import re
+import stat
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sssd.datastore_builder.sharegpt import Turn, message_turns
+from sssd.files import describe_mode, open_regular
 
 FORMATS = ("json", "jsonl", "parquet", "arrow", "text")
 TEXT_SPLITS = ("file", "paragraph", "line")
@@ -58,8 +70,10 @@ STDIN = "-"
 #: Rows per pyarrow batch / bytes per read of a JSON file.
 BATCH_ROWS = 1024
 JSON_CHUNK = 1 << 22
-#: A JSON record longer than this is taken as malformed rather than waited for.
-MAX_JSON_RECORD = 1 << 26
+#: The largest record (a JSON value, a line, a paragraph or file of text), in bytes
+#: (characters for JSON values); larger ones are skipped (``sssd build --max-record-mib``).
+MAX_RECORD_BYTES = 16 << 20
+_UTF8_BOM = codecs.BOM_UTF8
 
 
 class CorpusError(ValueError):
@@ -142,12 +156,20 @@ class Fields:
     messages_field: str | None = None
     text_split: str = "file"
     roles: str = "all"
+    max_record_bytes: int = MAX_RECORD_BYTES
 
     def __post_init__(self):
         if self.text_fields and self.messages_field:
             raise ValueError("give either text fields or a messages field, not both")
         if self.text_split not in TEXT_SPLITS:
             raise ValueError(f"text split must be one of {TEXT_SPLITS}, got {self.text_split!r}")
+        if isinstance(self.max_record_bytes, bool) or not isinstance(self.max_record_bytes, int) or self.max_record_bytes < 1:
+            raise ValueError(f"max_record_bytes must be a positive integer, got {self.max_record_bytes!r}")
+
+
+def _too_large(limit: int) -> str:
+    size = f"{limit / 2**20:g} MiB" if limit >= 1 << 20 else f"{limit:,} bytes"
+    return f"record larger than {size} (the --max-record-mib limit)"
 
 
 # -- inputs -----------------------------------------------------------------------
@@ -175,6 +197,10 @@ def resolve_inputs(inputs: list[str], fmt: str = "auto") -> list[Source]:
             if not files:
                 raise FileNotFoundError(f"no input files in directory {path} (known extensions: {', '.join(sorted(EXTENSIONS))})")
         elif path.exists():
+            mode = path.stat().st_mode
+            if not stat.S_ISREG(mode):  # reading a FIFO blocks until a writer comes; a device never ends
+                raise CorpusError(f"input {spec} is {describe_mode(mode)}, not a regular file; to read from a "
+                                  "pipe, give - and send it to stdin (... | sssd build - ...)")
             files = [path]
         elif any(c in spec for c in "*?["):
             files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
@@ -198,8 +224,17 @@ def detect_format(path: Path) -> str:
     kind = EXTENSIONS.get(path.suffix.lower())
     if kind:
         return kind
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return _sniff(f.read(1 << 16))
+
+
+#: Byte-order marks of the encodings decoded to UTF-8 while read (UTF-32 before UTF-16: FF FE 00 00 starts with FF FE).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _bom_encoding(head: bytes) -> str | None:
+    return next((enc for bom, enc in _BOMS if head.startswith(bom)), None)
 
 
 def _sniff(head: bytes) -> str:
@@ -207,6 +242,9 @@ def _sniff(head: bytes) -> str:
         return "parquet"
     if head.startswith((b"ARROW1", b"\xff\xff\xff\xff")):  # IPC file magic / stream continuation marker
         return "arrow"
+    enc = _bom_encoding(head)
+    if enc:
+        head = head.decode(enc, errors="ignore").encode("utf-8")
     stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if stripped.startswith(b"["):
         return "json"
@@ -240,13 +278,77 @@ def read_source(src: Source, fields: Fields, stats: SourceStats, on_bytes: Calla
         if kind in ("parquet", "arrow"):
             yield from _arrow_like(_read_all(stream, on_bytes), kind, src.path, fields, stats)
         else:
-            yield from _READERS[kind](stream, src.path, fields, stats, on_bytes)
+            yield from _READERS[kind](_text_stream(stream, src.path), src.path, fields, stats, on_bytes)
         return
     if src.kind in ("parquet", "arrow"):
         yield from _arrow_like(src.path, src.kind, src.path, fields, stats, on_bytes, src.size)
         return
-    with open(src.path, "rb") as f:
-        yield from _READERS[src.kind](f, src.path, fields, stats, on_bytes)
+    with open_regular(src.path) as f:
+        yield from _READERS[src.kind](_text_stream(f, src.path), src.path, fields, stats, on_bytes)
+
+
+def _text_stream(f: io.BufferedReader, path: str) -> io.BufferedReader:
+    """``f`` past a UTF-8 byte-order mark, or, after a UTF-16/UTF-32 one, a stream of its text as UTF-8."""
+    head = f.peek(4)[:4]
+    if head.startswith(_UTF8_BOM):
+        f.read(len(_UTF8_BOM))
+        return f
+    enc = _bom_encoding(head)
+    return io.BufferedReader(_Recoded(f, enc, path), buffer_size=1 << 16) if enc else f
+
+
+class _Recoded(io.RawIOBase):
+    """A binary stream of UTF-16/UTF-32 text (the decoder reads its BOM), read as UTF-8."""
+
+    def __init__(self, raw: BinaryIO, encoding: str, path: str):
+        self._raw = raw
+        self._encoding = encoding
+        self._path = path
+        self._decoder = codecs.getincrementaldecoder(encoding)()
+        self._pending = b""
+        self._eof = False
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._pending and not self._eof:
+            data = self._raw.read(1 << 16)
+            try:
+                text = self._decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{self._path}: not valid {self._encoding.upper()} text (it starts with a "
+                                  f"{self._encoding.upper()} byte-order mark) near byte {self._offset + e.start:,}") from None
+            self._offset += len(data)
+            self._eof = not data
+            self._pending = text.encode("utf-8")
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _lines(f: BinaryIO, limit: int, on_bytes: Callable[[int], None]) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) for each line of ``f``; the line is None if longer than ``limit``
+    bytes (its newline not counted), and is then read past without being held in memory."""
+    lineno = 0
+    while True:
+        line = f.readline(limit + 2)  # the longest acceptable line, with "\r\n"
+        if not line:
+            return
+        on_bytes(len(line))
+        lineno += 1
+        if line.endswith(b"\n"):
+            yield lineno, (None if len(line.rstrip(b"\r\n")) > limit else line)
+            continue
+        if len(line) < limit + 2:  # the last line, without a newline
+            yield lineno, (None if len(line.rstrip(b"\r")) > limit else line)
+            return
+        while line and not line.endswith(b"\n"):  # too long: read past the rest of it
+            line = f.readline(1 << 20)
+            on_bytes(len(line))
+        yield lineno, None
 
 
 def _stdin(stdin: BinaryIO | None) -> io.BufferedReader:
@@ -325,7 +427,7 @@ class _Extractor:
             turns, problems = message_turns(obj[self.messages_field])
             if not turns and problems and not isinstance(obj[self.messages_field], list):
                 return Record([], rid, problem=problems[0])
-            return Record(turns, rid, turn_problems=problems)
+            return self._checked(Record(turns, rid, turn_problems=problems), "message text")
         turns = []
         present = [f for f in self.text_fields if f in obj]
         if not present:
@@ -338,7 +440,25 @@ class _Extractor:
                 turns.append(Turn(None, value))
             elif value is not None:
                 problems.append(f"field {name!r} is not text")
-        return Record(turns, rid, turn_problems=problems)
+        return self._checked(Record(turns, rid, turn_problems=problems), "text field")
+
+    def _checked(self, rec: Record, what: str) -> Record:
+        """Drops turns that are not valid Unicode; refuses a record larger than the limit."""
+        limit = self.fields.max_record_bytes
+        if sum(len(t.text) for t in rec.turns) > limit:  # characters: each at least a byte
+            return Record([], rec.id, problem=_too_large(limit))
+        if all(t.text.isascii() for t in rec.turns):
+            return rec
+        kept = []
+        for t in rec.turns:
+            try:
+                t.text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): no tokenizer can take it
+                rec.turn_problems.append(f"{what} is not valid Unicode (a lone surrogate)")
+                continue
+            kept.append(t)
+        rec.turns = kept
+        return rec
 
     def check(self, final: bool) -> None:
         """Fails if the chosen field is in none of the records so far (early: after 1,000)."""
@@ -365,16 +485,19 @@ class _JsonStream:
     Handles a top-level array (ShareGPT style) or values back to back. A value
     cut off by the end of the file (a truncated file) or malformed is counted
     in stats and skipped; decoding resumes at the next object that looks like
-    a record.
+    a record. A value that cannot be decoded although well formed (nested too
+    deeply, a number too long) or longer than ``limit`` characters is skipped
+    by scanning for its end, without holding more than ``limit`` of it.
     """
 
     def __init__(self, f: BinaryIO, path: str, stats: SourceStats, looks_like_record: Callable[[Any], bool],
-                 on_bytes: Callable[[int], None]):
+                 on_bytes: Callable[[int], None], limit: int = MAX_RECORD_BYTES):
         self.f = f
         self.path = path
         self.stats = stats
         self.looks_like_record = looks_like_record
         self.on_bytes = on_bytes
+        self.limit = limit
         self.decoder = json.JSONDecoder()
         self.utf8 = codecs.getincrementaldecoder("utf-8")()
         self.buf = ""
@@ -409,13 +532,73 @@ class _JsonStream:
                 return False
             self._fill()
 
+    def _too_long(self, start: int) -> bool:
+        return len(self.buf) - start > self.limit
+
     def _needs_more(self, e: json.JSONDecodeError) -> bool:
         """Whether a decode error may just be the buffer ending mid-value."""
         if self.eof:
             return False
-        if len(self.buf) - self.pos >= MAX_JSON_RECORD:
-            return False
         return e.msg.startswith("Unterminated string") or e.pos >= len(self.buf) - 16
+
+    _STRUCTURE = re.compile(r'["{}\[\]]')
+    _IN_STRING = re.compile(r'["\\]')
+    _SCALAR_END = re.compile(r'[\s,\]}]')
+
+    def _skip_value(self) -> bool:
+        """Moves pos past the JSON value starting at pos by scanning (strings, brackets and
+        braces), reading on as needed but holding only the current chunk; False if the
+        input ends first."""
+        depth = 0
+        in_string = False
+        if self.buf[self.pos] not in '{["':  # a number or literal: up to the next delimiter
+            while True:
+                m = self._SCALAR_END.search(self.buf, self.pos)
+                if m:
+                    self.pos = m.start()
+                    return True
+                self.pos = len(self.buf)
+                if self.eof:
+                    return True
+                self._fill()
+        while True:
+            if self.pos >= len(self.buf):
+                if self.eof:
+                    return False
+                self._fill()
+                continue
+            if in_string:
+                m = self._IN_STRING.search(self.buf, self.pos)
+                if m is None:
+                    self.pos = len(self.buf)
+                elif m.group() == "\\":
+                    if m.end() < len(self.buf):
+                        self.pos = m.end() + 1  # the escaped character
+                    elif self.eof:
+                        return False
+                    else:  # the escaped character is in the next chunk
+                        self.pos = m.start()
+                        self._fill()
+                else:
+                    in_string = False
+                    self.pos = m.end()
+                    if depth == 0:
+                        return True
+                continue
+            m = self._STRUCTURE.search(self.buf, self.pos)
+            if m is None:
+                self.pos = len(self.buf)
+                continue
+            self.pos = m.end()
+            c = m.group()
+            if c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth <= 0:
+                    return True
 
     def _resync(self, start: int) -> bool:
         """Moves pos to the next object that looks like a record; False if there is none."""
@@ -431,16 +614,28 @@ class _JsonStream:
             try:
                 obj, end = self.decoder.raw_decode(self.buf, i)
             except json.JSONDecodeError as e:
-                if self._needs_more(e):
+                if self._needs_more(e) and not self._too_long(i):
                     self.pos = i
                     self._fill()
                 else:
                     self.pos = i + 1
                 continue
+            except (ValueError, RecursionError):  # well formed but undecodable: not where to resume
+                self.pos = i + 1
+                continue
             if self.looks_like_record(obj):
                 self.pos = i
                 return True
             self.pos = end  # a nested object of the broken record
+
+    def _skip_undecodable(self, reason: str) -> bool:
+        """Skips the value at pos (counted under ``reason``); False at the end of the input."""
+        where = f"character {self.base + self.pos:,}"
+        if self._skip_value():
+            self.stats.skip(reason, where)
+            return True
+        self.stats.skip("incomplete record at the end of the file (file truncated)", where)
+        return False
 
     def values(self) -> Iterator[Any]:
         ws = " \t\r\n\ufeff"
@@ -461,8 +656,13 @@ class _JsonStream:
                 obj, end = self.decoder.raw_decode(self.buf, self.pos)
             except json.JSONDecodeError as e:
                 if self._needs_more(e):
-                    self._fill()
-                    continue
+                    if not self._too_long(self.pos):
+                        self._fill()
+                        continue
+                    if self._skip_undecodable(_too_large(self.limit)):
+                        continue
+                    closed = True  # already reported
+                    break
                 where = f"{e.msg} at character {self.base + e.pos:,}"
                 if self._resync(self.pos + 1):
                     self.stats.skip("malformed JSON record", where)
@@ -470,6 +670,20 @@ class _JsonStream:
                 self.stats.skip("incomplete record at the end of the file (file truncated)", where)
                 closed = True  # already reported
                 break
+            except RecursionError:
+                if self._skip_undecodable("JSON record nested too deeply"):
+                    continue
+                closed = True
+                break
+            except ValueError as e:  # e.g. an integer of more than 4,300 digits
+                if self._skip_undecodable(f"unreadable JSON record ({str(e).split(':')[0]})"):
+                    continue
+                closed = True
+                break
+            if end - self.pos > self.limit:
+                self.pos = end
+                self.stats.skip(_too_large(self.limit), f"character {self.base + end:,}")
+                continue
             self.pos = end
             self.stats.records += 1
             yield obj
@@ -479,7 +693,7 @@ class _JsonStream:
 
 def _json(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes) -> Iterator[Record]:
     ext = _Extractor(path, fields, stats)
-    stream = _JsonStream(f, path, stats, ext.looks_like_record, on_bytes)
+    stream = _JsonStream(f, path, stats, ext.looks_like_record, on_bytes, fields.max_record_bytes)
     yield from _records(stream.values(), ext, stats)
 
 
@@ -487,8 +701,12 @@ def _jsonl(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes)
     ext = _Extractor(path, fields, stats)
 
     def values():
-        for lineno, line in enumerate(f, 1):
-            on_bytes(len(line))
+        for lineno, line in _lines(f, fields.max_record_bytes, on_bytes):
+            if line is None:
+                stats.skip(_too_large(fields.max_record_bytes), f"line {lineno}")
+                continue
+            if line.startswith(_UTF8_BOM):  # files concatenated with their byte-order marks
+                line = line[len(_UTF8_BOM):]
             if not line.strip():
                 continue
             try:
@@ -500,6 +718,12 @@ def _jsonl(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes)
                 truncated = not line.endswith(b"\n")  # only the last line can lack one
                 stats.skip("incomplete last line (file truncated)" if truncated else "malformed JSON line",
                            f"line {lineno}: {e.msg}")
+                continue
+            except RecursionError:
+                stats.skip("JSON line nested too deeply", f"line {lineno}")
+                continue
+            except ValueError as e:  # e.g. an integer of more than 4,300 digits
+                stats.skip(f"unreadable JSON line ({str(e).split(':')[0]})", f"line {lineno}")
                 continue
             stats.records += 1
             yield obj
@@ -568,35 +792,48 @@ def _columns(ext: _Extractor, names: list[str]) -> list[str]:
 # -- plain text -------------------------------------------------------------------
 
 def _text(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes) -> Iterator[Record]:
-    def record(data: bytes, where: str) -> Record:
+    limit = fields.max_record_bytes
+
+    def record(data: bytes | None, where: str) -> Record:
         stats.records += 1
+        if data is None:
+            return Record([], problem=_too_large(limit), where=where)
+        if data.startswith(_UTF8_BOM):  # files concatenated with their byte-order marks
+            data = data[len(_UTF8_BOM):]
         try:
             return Record([Turn(None, data.decode("utf-8"))])
         except UnicodeDecodeError as e:
             return Record([], problem="not valid UTF-8 text", where=f"{where}, byte {e.start}")
 
     if fields.text_split == "file":
-        data = f.read()
+        data = f.read(limit + 1)
         on_bytes(len(data))
-        yield record(data, "file")
+        yield record(data if len(data) <= limit else None, "file")
         return
     para: list[bytes] = []
+    size = 0
+    too_long = False
     start = 0
-    for lineno, line in enumerate(f, 1):
-        on_bytes(len(line))
+    for lineno, line in _lines(f, limit, on_bytes):
         if fields.text_split == "line":
-            if line.strip():
+            if line is None:
+                yield record(None, f"line {lineno}")
+            elif line.strip():
                 yield record(line.rstrip(b"\r\n"), f"line {lineno}")
             continue
-        if line.strip():
-            if not para:
+        if line is None or line.strip():
+            if not para and not too_long:
                 start = lineno
-            para.append(line)
-        elif para:
-            yield record(b"".join(para).rstrip(b"\r\n"), f"line {start}")
-            para = []
-    if para:
-        yield record(b"".join(para).rstrip(b"\r\n"), f"line {start}")
+            if line is None or too_long or size + len(line) > limit:
+                too_long, para, size = True, [], 0  # the paragraph is read past, not kept
+            else:
+                para.append(line)
+                size += len(line)
+        elif para or too_long:
+            yield record(None if too_long else b"".join(para).rstrip(b"\r\n"), f"line {start}")
+            para, size, too_long = [], 0, False
+    if para or too_long:
+        yield record(None if too_long else b"".join(para).rstrip(b"\r\n"), f"line {start}")
 
 
 _READERS = {"json": _json, "jsonl": _jsonl, "text": _text}

@@ -24,6 +24,9 @@ MAX_ID = SEPARATOR - 1
 #: Documents per encode_batch call: large enough to keep both cores busy,
 #: small enough to bound the memory of the Python id lists.
 BATCH_DOCS = 8192
+#: Characters per encode_batch call, at most (a batch ends early at this many):
+#: the tokenizers library takes some hundred bytes per character of a batch.
+BATCH_CHARS = 16 << 20
 
 
 class TokenIdError(ValueError):
@@ -66,9 +69,23 @@ def _slice(parts: list[np.ndarray], where: tuple[int, int, int]) -> list[int]:
     return parts[p][start : start + length].tolist()
 
 
-def batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
-    it = iter(items)
-    while batch := list(itertools.islice(it, n)):
+def batched(items: Iterable[str], n: int, max_chars: int | None = None) -> Iterator[list[str]]:
+    """Lists of up to ``n`` items; with ``max_chars``, a list also ends once its texts
+    reach that many characters (a longer single text is a list of its own)."""
+    if max_chars is None:
+        it = iter(items)
+        while batch := list(itertools.islice(it, n)):
+            yield batch
+        return
+    batch: list[str] = []
+    chars = 0
+    for item in items:
+        if batch and (len(batch) >= n or chars + len(item) > max_chars):
+            yield batch
+            batch, chars = [], 0
+        batch.append(item)
+        chars += len(item)
+    if batch:
         yield batch
 
 
@@ -103,7 +120,7 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Any, *, batch_docs: 
     Args:
         documents: texts, one per document (streamed; read in batches).
         tokenizer: anything with ``encode_batch(texts) -> list[list[int]]``.
-        batch_docs: documents per encode_batch call.
+        batch_docs: documents per encode_batch call (fewer if they reach BATCH_CHARS characters).
         clock: if given, time pulling documents counts as "read", encoding as "tokenize".
         on_batch: called as on_batch(documents, tokens) after each batch.
         memoize: encode each distinct text once and copy the ids of repeats
@@ -117,7 +134,7 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Any, *, batch_docs: 
     clock = clock or StageClock()
     parts: list[np.ndarray] = []
     seen: dict[bytes, tuple[int, int, int]] = {}  # text digest -> (part, start, length) of its ids
-    for batch in clock.timed("read", batched(documents, batch_docs)):
+    for batch in clock.timed("read", batched(documents, batch_docs, BATCH_CHARS)):
         t0 = time.perf_counter()
         keys = [_digest(t) for t in batch] if memoize else None
         todo: dict[bytes, int] = {}

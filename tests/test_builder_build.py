@@ -253,6 +253,53 @@ def test_disk_full_while_writing(tmp_path, tok, capsys, monkeypatch):
 
 
 
+def test_bad_records_are_skipped_counted_and_reported_unless_strict(tmp_path, tok, capsys):
+    lines = ['{"text": "first good"}',
+             '{"text": "lone \\ud800 surrogate"}',  # no tokenizer can encode it
+             '{"text": "deep", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+             '{"text": "big", "n": ' + "9" * 5000 + "}",
+             '{"text": "last good"}']
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    rc, out, err = cli(capsys, "build", tmp_path / "c.jsonl", "-o", tmp_path / "ds", "-t", tok)
+    assert rc == 0, err
+    assert "skipped 3 (" in err and "1 JSON line nested too deeply" in err and "not valid Unicode" in err
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(tok, ["first good", "last good"]))
+    src = ds.manifest["source"][0]
+    assert src["skipped"] == 3 and src["documents"] == 2
+    assert src["skipped_reasons"] == {
+        "text field is not valid Unicode (a lone surrogate)": 1, "JSON line nested too deeply": 1,
+        "unreadable JSON line (Exceeds the limit (4300 digits) for integer string conversion)": 1}
+    # --strict stops at the first bad record; the datastore built before is untouched.
+    before = (tmp_path / "ds" / "manifest.json").read_bytes()
+    rc, _, err = cli(capsys, "build", tmp_path / "c.jsonl", "-o", tmp_path / "ds", "-t", tok, "--strict", "--overwrite")
+    assert rc == 1 and err.strip().splitlines()[-1].startswith("sssd build: error: ")
+    assert "not valid Unicode (a lone surrogate) (record 1); stopping because of --strict" in err
+    assert (tmp_path / "ds" / "manifest.json").read_bytes() == before and leftovers(tmp_path) == []
+    assert sssd.Datastore.open(tmp_path / "ds").num_docs == 2
+
+
+def test_a_huge_line_is_skipped_in_bounded_memory(tmp_path, tok):
+    # A 40 MiB line (past the default 16 MiB record limit) once went whole to the tokenizer:
+    # gigabytes, then SIGABRT. The child's address space is capped at 1 GiB so that a
+    # regression fails here instead of taking the machine's memory.
+    with open(tmp_path / "big.jsonl", "w") as f:
+        f.write('{"text": "small one"}\n{"text": "' + "ab " * (14 << 20) + '"}\n{"text": "small two"}\n')
+    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from sssd.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "build", str(tmp_path / "big.jsonl"), "-o", str(tmp_path / "ds"),
+                           "-t", str(tok)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, RUST_BACKTRACE="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped 1 (1 record larger than 16 MiB (the --max-record-mib limit))" in proc.stderr
+    np.testing.assert_array_equal(sssd.Datastore.open(tmp_path / "ds").tokens,
+                                  expected_stream(tok, ["small one", "small two"]))
+    # --max-record-mib sets the limit; --strict refuses the record instead.
+    rc = main(["build", str(tmp_path / "big.jsonl"), "-o", str(tmp_path / "ds2"), "-t", str(tok), "-q",
+               "--max-record-mib", "0.5", "--strict"])
+    assert rc == 1 and not (tmp_path / "ds2").exists() and leftovers(tmp_path) == []
+
+
 # -- atomicity ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", ["read", "tokenize", "index", "checksum", "manifest"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -229,3 +230,109 @@ def test_message_turns_and_holdout_rule():
     assert [rule(r) for r in ids] == [True, True, False, True, True, False, False, True]
     with pytest.raises(ValueError):
         HoldoutRule(-1)
+
+
+# -- byte-order marks -------------------------------------------------------------------------
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("name,data,fields,want", [
+    ("c.jsonl", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),
+    ("c.jsonl", b'{"text": "a"}\n' + BOM + b'{"text": "b"}\n', None, ["a", "b"]),  # files concatenated
+    ("c.json", BOM + b'[{"text": "first"}, {"text": "second"}]', None, ["first", "second"]),
+    ("c.txt", BOM + b"first words\n", None, ["first words\n"]),
+    ("c.txt", BOM + b"first\nsecond\n", Fields(text_split="line"), ["first", "second"]),
+    ("c.txt", BOM + b"first\n\nsecond\n", Fields(text_split="paragraph"), ["first", "second"]),
+    ("noext", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),  # sniffed as jsonl
+])
+def test_a_utf8_bom_is_dropped_in_every_text_reader(tmp_path, name, data, fields, want):
+    (tmp_path / name).write_bytes(data)
+    recs, st = read(tmp_path / name, fields)
+    assert texts(recs) == want and not st.skipped
+    st = SourceStats("auto", "-")
+    recs = list(read_source(Source("-", "auto"), fields or Fields(), st, stdin=io.BytesIO(data)))
+    assert texts(recs) == want and not st.skipped
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_with_a_bom_are_decoded(tmp_path, encoding):
+    text = '{"text": "héllo wörld ✓"}\n{"text": "second"}\n'
+    bom = {"utf-16-be": "\ufeff"}.get(encoding, "")  # "utf-16" and "utf-32" write their own
+    (tmp_path / "c.jsonl").write_bytes((bom + text).encode(encoding))
+    recs, st = read(tmp_path / "c.jsonl")
+    assert texts(recs) == ["héllo wörld ✓", "second"] and not st.skipped
+    (tmp_path / "c.txt").write_bytes((bom + "one\ntwo ✓\n").encode(encoding))
+    assert texts(read(tmp_path / "c.txt", Fields(text_split="line"))[0]) == ["one", "two ✓"]
+
+
+# -- records a build must skip, not die of ---------------------------------------------------
+
+LIMIT = 1 << 16
+
+
+def _big(n=3 * LIMIT):
+    return 'big "quoted" \\ {braces} [brackets] ' * (n // 36)
+
+
+@pytest.mark.parametrize("name,content,fields", [
+    ("c.jsonl", lambda: "\n".join(json.dumps({"text": t}) for t in ["first", _big(), "last"]) + "\n", None),
+    ("c.json", lambda: json.dumps([{"text": "first"}, {"text": _big(), "nested": [{"text": "x"}]}, {"text": "last"}]),
+     None),
+    ("c.txt", lambda: f"first\n{'x' * 3 * LIMIT}\nlast\n", Fields(text_split="line")),
+    ("c.txt", lambda: "first\n\n" + ("y" * 1000 + "\n") * 200 + "\nlast\n", Fields(text_split="paragraph")),
+])
+@pytest.mark.parametrize("chunk", [readers.JSON_CHUNK, 1000])
+def test_records_larger_than_the_limit_are_skipped_and_counted(tmp_path, monkeypatch, name, content, fields, chunk):
+    monkeypatch.setattr(readers, "JSON_CHUNK", chunk)
+    (tmp_path / name).write_text(content())
+    fields = Fields(**{**(fields or Fields()).__dict__, "max_record_bytes": LIMIT})
+    recs, st = read(tmp_path / name, fields)
+    assert texts(recs) == ["first", "last"]
+    # Skipped while read (JSON), or yielded with the problem for the builder to count (text).
+    problems = list(st.skipped.elements()) + [r.problem for r in recs if r.problem]
+    assert problems == ["record larger than 65,536 bytes (the --max-record-mib limit)"]
+    if name.endswith("json") or name.endswith("jsonl"):
+        with pytest.raises(CorpusError, match="record larger than 65,536 bytes.*--strict"):
+            read(tmp_path / name, fields, strict=True)
+
+
+def test_a_text_file_or_parquet_cell_larger_than_the_limit_is_a_bad_record(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("z" * (LIMIT + 1))
+    recs, _ = read(tmp_path / "a.txt", Fields(max_record_bytes=LIMIT))
+    assert recs[0].problem == "record larger than 65,536 bytes (the --max-record-mib limit)"
+    pq.write_table(pa.table({"text": ["small", "w" * (LIMIT + 1), "end"]}), tmp_path / "t.parquet")
+    recs, _ = read(tmp_path / "t.parquet", Fields(max_record_bytes=LIMIT))
+    assert texts(recs) == ["small", "end"] and "record larger than" in recs[1].problem
+    with pytest.raises(ValueError, match="max_record_bytes must be a positive integer"):
+        Fields(max_record_bytes=0)
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl"])
+def test_undecodable_records_are_skipped_and_counted(tmp_path, kind):
+    bad = [
+        '{"text": "deep", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",  # beyond the decoder's recursion limit
+        '{"text": "big number", "n": ' + "7" * 5000 + "}",  # beyond Python's int digits limit
+        '{"text": "lone \\ud800 surrogate"}',  # no tokenizer can encode it
+    ]
+    good = ['{"text": "first"}', '{"text": "last", "ok": "\\ud83d\\ude00 pair"}']
+    lines = [good[0], *bad, good[1]]
+    (tmp_path / f"c.{kind}").write_text("[" + ",\n".join(lines) + "]" if kind == "json" else "\n".join(lines) + "\n")
+    recs, st = read(tmp_path / f"c.{kind}")
+    assert texts(recs) == ["first", "last"]
+    what = "record" if kind == "json" else "line"
+    assert st.skipped == {f"JSON {what} nested too deeply": 1,
+                          f"unreadable JSON {what} (Exceeds the limit (4300 digits) for integer string conversion)": 1}
+    # The surrogate's text is dropped as a problem of its record (the builder counts it).
+    assert [r.turn_problems for r in recs] == [[], ["text field is not valid Unicode (a lone surrogate)"], []]
+    with pytest.raises(CorpusError, match="nested too deeply.*--strict"):
+        read(tmp_path / f"c.{kind}", strict=True)
+
+
+def test_a_fifo_input_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(CorpusError, match="is a FIFO, not a regular file; to read from a pipe, give -"):
+        resolve_inputs([str(tmp_path / "pipe.jsonl")])

@@ -21,6 +21,7 @@ examples:
                        "Parquet, Arrow or text corpora, or the default datastore with --default.")
 def setup(p: argparse.ArgumentParser):
     from sssd.datastore_builder.default import HELP as DEFAULT_HELP
+    from sssd.datastore_builder.readers import MAX_RECORD_BYTES
     from sssd.datastore_builder.readers import FORMATS, TEXT_SPLITS
     from sssd.datastore_builder.sharegpt import ROLE_CHOICES
     from sssd.datastore_builder.tokenize import BATCH_DOCS
@@ -45,7 +46,12 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--holdout-every", type=int, default=0, metavar="N",
                    help="hold out records whose index %% N == 0 into heldout.jsonl (default: 0, none)")
     p.add_argument("--dedup", action="store_true", help="drop exact-duplicate documents")
-    p.add_argument("--strict", action="store_true", help="fail on the first malformed record instead of skipping it")
+    p.add_argument("--strict", action="store_true",
+                   help="fail on the first bad record (malformed, too large, invalid text) instead of skipping and "
+                        "counting it")
+    p.add_argument("--max-record-mib", type=float, metavar="MIB", default=MAX_RECORD_BYTES / 2**20,
+                   help="skip any record (JSON value or line, text file, paragraph or line) larger than this many "
+                        f"MiB: tokenizing takes about 200 bytes of memory per character (default: {MAX_RECORD_BYTES >> 20:g})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing datastore at the output")
     p.add_argument("--compress", action="store_true",
                    help="also write OUTPUT.sssd.zst, a zstd-compressed single-file archive (sssd opens it directly)")
@@ -58,9 +64,11 @@ def setup(p: argparse.ArgumentParser):
         from sssd.datastore_builder.build import BuildConfig, build_datastore, terminate_as_interrupt
         from sssd.datastore_builder.readers import Fields
 
+        if not 0 < args.max_record_mib <= 1024:
+            raise ValueError(f"--max-record-mib must be in (0, 1024], got {args.max_record_mib:g}")
         text_fields = tuple(f.strip() for spec in args.text_field or [] for f in spec.split(",") if f.strip())
         fields = Fields(text_fields=text_fields, messages_field=args.messages_field, text_split=args.text_split,
-                        roles=args.roles)
+                        roles=args.roles, max_record_bytes=max(1, int(args.max_record_mib * 2**20)))
         log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         if args.batch_docs < 1:
             raise ValueError("--batch-docs must be >= 1")
@@ -75,6 +83,8 @@ def setup(p: argparse.ArgumentParser):
             cfg = default_config(args.output, overwrite=args.overwrite, compress=args.compress, dedup=args.dedup,
                                  strict=args.strict, num_threads=args.threads, batch_docs=args.batch_docs,
                                  progress=not args.quiet, log=log)
+            cfg.fields = Fields(messages_field=cfg.fields.messages_field, roles=cfg.fields.roles,
+                                max_record_bytes=fields.max_record_bytes)
         else:
             if not args.inputs:
                 raise ValueError("no inputs: give corpus files, directories or - (or --default)")
