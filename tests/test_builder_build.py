@@ -166,7 +166,7 @@ def test_overwrite(tmp_path, tok, capsys):
     ("missing field", "no record has the field 'body'"),
     ("strict", "malformed JSON line"),
     ("bad tokenizer file", "cannot load tokenizer"),
-    ("no tokenizer", "no such file or folder"),
+    ("no tokenizer", "no such file or directory"),
     ("no inputs", "no inputs"),
     ("roles on text", "--roles assistant needs chat messages"),
 ])

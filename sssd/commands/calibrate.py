@@ -12,22 +12,28 @@ from sssd.cli import command
 @command("calibrate", help="Grid-search the drafter's parameters and fit calibration curves by replaying "
                            "ground-truth outputs (paper 3.1.3); writes one parameter file + plots.")
 def setup(p: argparse.ArgumentParser):
+    from sssd import _core
     from sssd.calibration.grid import GridAxes
+    from sssd.commands import _args
 
     axes = GridAxes()
-    p.add_argument("groundtruth", nargs="+", help="ground-truth JSONL files (from `sssd groundtruth`)")
-    p.add_argument("--datastore", default="default", help="datastore directory ('default': the default datastore)")
-    p.add_argument("-o", "--output", default="calibration.json",
+    budget = _args.int_range(1, int(_core.MAX_BUDGET))
+    p.add_argument("groundtruth", nargs="+", type=_args.regular_file,
+                   help="ground-truth JSONL files (from `sssd groundtruth`)")
+    p.add_argument("--datastore", default="default", type=_args.datastore("default"),
+                   help="datastore directory or .sssd.zst archive ('default': the default datastore)")
+    p.add_argument("-o", "--output", default="calibration.json", type=_args.output_file,
                    help="parameter file to write (plots are written beside it)")
     p.add_argument("--split", choices=("dev", "all"), default="dev",
                    help="which part of each file to use: 'dev' keeps evaluation data out of calibration")
-    p.add_argument("--limit", type=int, default=0, help="at most this many examples per file (0: all)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="draft budgets to calibrate for")
-    p.add_argument("--default-budget", type=int, default=0, help="budget the file uses when none is asked (0: 32 if listed)")
-    p.add_argument("--workers", type=int, default=0, help="replay processes (0: one per core)")
-    for f in ("max_samples", "min_occurrences", "datastore_branch_len", "input_scale", "input_match_damping",
-              "input_depth_decay", "datastore_match_damping"):
-        kind = int if isinstance(getattr(axes, f)[0], int) else float
+    p.add_argument("--limit", type=_args.int_range(0), default=0, help="at most this many examples per file (0: all)")
+    p.add_argument("--budgets", type=budget, nargs="+", default=[4, 8, 16, 32, 64], help="draft budgets to calibrate for")
+    p.add_argument("--default-budget", type=_args.int_range(0, int(_core.MAX_BUDGET)), default=0,
+                   help="budget the file uses when none is asked (0: 32 if listed, else the largest)")
+    p.add_argument("--workers", type=_args.int_range(0), default=0, help="replay processes (0: one per core)")
+    for f in GridAxes.__dataclass_fields__:
+        is_int = isinstance(getattr(axes, f)[0], int)
+        kind = _args.int_range(1) if is_int else _args.float_range(0.0)
         p.add_argument("--" + f.replace("_", "-"), type=kind, nargs="+", default=list(getattr(axes, f)),
                        metavar="V", help=f"grid values for {f}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -38,11 +44,10 @@ def setup(p: argparse.ArgumentParser):
         from sssd.calibration.ground_truth import load_groundtruth
         from sssd.calibration.run import calibrate, save
         from sssd.drafter import resolve_datastore
-        from sssd.tokenizer import load_tokenizer
 
-        datastore = resolve_datastore(args.datastore)
-        tok_path = datastore.tokenizer_path()
-        tokenizer = load_tokenizer(tok_path) if tok_path else None
+        axes = _grid(args)  # every grid value checked before anything loads
+        datastore = resolve_datastore(_args.default_datastore() if args.datastore == "default" else args.datastore)
+        tokenizer = datastore.load_tokenizer()  # checked against the identity its manifest records
         examples, sources = [], []
         for path in args.groundtruth:
             header, items = load_groundtruth(path, tokenizer=tokenizer)
@@ -57,7 +62,6 @@ def setup(p: argparse.ArgumentParser):
                             "examples": len(items), "split": args.split})
         if not examples:
             raise ValueError("no examples after the split: give more ground truth (or --split all)")
-        axes = GridAxes(**{f: tuple(getattr(args, f)) for f in GridAxes.__dataclass_fields__})
         n_trials = axes.size() * len(set(args.budgets))
         print(f"calibrating on {len(examples)} examples ({sum(len(e.output) for e in examples):,} output tokens) "
               f"from {len(sources)} files: {n_trials} replays in the grid, then calibration", file=sys.stderr)
@@ -84,3 +88,24 @@ def setup(p: argparse.ArgumentParser):
         return 0
 
     return run
+
+
+def _grid(args: argparse.Namespace):
+    """The GridAxes of the arguments, each value checked by building a drafter config with it.
+
+    Raises:
+        ValueError: "argument --FLAG: ..." for the first value the drafter refuses.
+    """
+    from sssd.calibration.grid import GridAxes
+    from sssd.config import DrafterConfig
+
+    values = {f: tuple(dict.fromkeys(getattr(args, f))) for f in GridAxes.__dataclass_fields__}
+    first = {f: v[:1] for f, v in GridAxes().__dict__.items()}  # known good: each value is tried alone
+    for f, vs in values.items():
+        for v in vs:
+            try:
+                one = GridAxes(**dict(first, **{f: (v,)}))
+                one.query_points(DrafterConfig()) + one.discount_points(DrafterConfig())
+            except ValueError as e:
+                raise ValueError(f"argument --{f.replace('_', '-')}: {v} is refused: {e}") from None
+    return GridAxes(**values)

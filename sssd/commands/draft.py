@@ -29,13 +29,21 @@ def ensure_default_datastore() -> None:
 
 @command("draft", help="Draft continuations of a text (or token ids) from the datastore and the text itself.")
 def setup(p: argparse.ArgumentParser):
-    p.add_argument("text", nargs="?", help="the context to continue (tokenized with the datastore's tokenizer)")
-    p.add_argument("--ids", help="comma-separated token ids instead of text")
-    p.add_argument("--datastore", default="default", help="datastore directory, 'default', or 'none' (input source only)")
-    p.add_argument("--tokenizer", help="tokenizer.json / model folder / GGUF (default: the one the datastore was built with)")
-    p.add_argument("--budget", type=int, default=32, help="draft tree size (candidate tokens)")
-    p.add_argument("--config", help="drafter config JSON (e.g. from sssd calibrate)")
-    p.add_argument("--paths", type=int, default=12, help="branches to print")
+    from sssd import _core
+    from sssd.commands import _args
+
+    p.add_argument("text", nargs="?", type=_args.non_empty("text"),
+                   help="the context to continue (tokenized with the datastore's tokenizer)")
+    p.add_argument("--ids", type=_args.token_ids, metavar="IDS", help="comma-separated token ids instead of text")
+    p.add_argument("--datastore", default="default", type=_args.datastore("default", "none"),
+                   help="datastore directory or .sssd.zst archive, 'default' (built on first use), or 'none' "
+                        "(input source only)")
+    p.add_argument("--tokenizer", type=_args.file_or_folder,
+                   help="tokenizer.json / model folder / GGUF (default: the one the datastore was built with)")
+    p.add_argument("--budget", type=_args.int_range(1, int(_core.MAX_BUDGET)), default=32,
+                   help="draft tree size (candidate tokens)")
+    p.add_argument("--config", type=_args.regular_file, help="drafter config JSON (e.g. from sssd calibrate)")
+    p.add_argument("--paths", type=_args.int_range(1), default=12, help="branches to print")
     p.add_argument("--json", action="store_true", help="print the tree's arrays as JSON")
 
     def run(args: argparse.Namespace) -> int:
@@ -46,10 +54,12 @@ def setup(p: argparse.ArgumentParser):
         from sssd.drafter import Drafter, resolve_datastore
 
         if (args.text is None) == (args.ids is None):
-            raise ValueError("give either TEXT or --ids")
+            raise ValueError("give either TEXT or --ids (not both)" if args.text is not None else "give TEXT or --ids")
+        if args.datastore == "none" and args.ids is None and not args.tokenizer:
+            raise ValueError("--datastore none has no tokenizer to read TEXT with: pass --tokenizer or use --ids")
+        config = DrafterConfig.load(args.config) if args.config else DrafterConfig()  # light; before building anything
         if args.datastore == "default":
             ensure_default_datastore()
-        config = DrafterConfig.load(args.config) if args.config else DrafterConfig()
         datastore = None if args.datastore == "none" else resolve_datastore(args.datastore)
         decode = tok = None
         if args.ids is None:
@@ -57,16 +67,18 @@ def setup(p: argparse.ArgumentParser):
 
             if args.tokenizer:
                 tok = load_tokenizer(args.tokenizer)
-            else:  # the datastore's own, checked against the identity its manifest records
-                tok = datastore.load_tokenizer() if datastore else None
+            else:
+                tok = datastore.load_tokenizer()  # checked against the identity its manifest records
                 if tok is None:
                     raise ValueError("this datastore records no tokenizer; pass --tokenizer or use --ids")
         drafter = Drafter(datastore, config, tokenizer=tok, budget=args.budget)
         if args.ids is not None:
-            ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x]
+            ids = args.ids
         else:
             ids = tok.encode(args.text)
             decode = tok.decode
+            if not ids:
+                raise ValueError(f"TEXT {args.text!r} gives no tokens to continue")
         t0 = time.perf_counter()
         tree = drafter.draft_prefix(np.asarray(ids), args.budget)
         ms = (time.perf_counter() - t0) * 1e3

@@ -25,29 +25,30 @@ resumes: prompts already in the file are skipped.
                              "batched, resumable), or record the ShareGPT held-out answers; JSONL for replay.")
 def setup(p: argparse.ArgumentParser):
     from sssd.calibration.datasets import DATASETS
+    from sssd.commands import _args
     from sssd.models import DEFAULT_MODEL, DTYPES
 
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--dataset", choices=DATASETS, help="a packaged prompt set")
-    src.add_argument("--prompts", metavar="FILE",
+    src.add_argument("--prompts", metavar="FILE", type=_args.regular_file,
                      help='your own prompts: JSONL with "id" and "messages" (chat) or "prompt" (text)')
-    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, type=_args.model,
                    help="a registered model name (pulled on first use) or a local Hugging Face model folder")
-    p.add_argument("-o", "--output", help="the JSONL file (default: <sssd cache>/groundtruth/<model>/<dataset>.jsonl)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts of the set")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="output cap per prompt")
+    p.add_argument("-o", "--output", type=_args.output_file,
+                   help="the JSONL file (default: <sssd cache>/groundtruth/<model>/<dataset>.jsonl)")
+    p.add_argument("--limit", type=_args.int_range(1), default=None, metavar="N", help="only the first N prompts of the set")
+    p.add_argument("--max-new-tokens", type=_args.int_range(1), default=256, help="output cap per prompt")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="model dtype (float32: outputs equal any exact float32 greedy decoder's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_args.int_range(1, 4096), default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--engine", choices=("sssd", "transformers"), default="sssd",
                    help="sssd: SSSD's batched speculative engine (float32 output is token-identical to plain greedy, "
                         "and faster); transformers: plain greedy decoding, one prompt at a time")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (--engine sssd)")
+    p.add_argument("--batch-size", type=_args.int_range(1, 4096), default=16, help="prompts decoded together (--engine sssd)")
     p.add_argument("--both-turns", action="store_true",
                    help="mtbench: also the second turns (after the model's own first answers)")
-    p.add_argument("--datastore", default="default",
+    p.add_argument("--datastore", default="default", type=_args.datastore("default"),
                    help="sharegpt-heldout: the datastore whose held-out split to use (and check contamination against)")
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="sharegpt-heldout: the first assistant turn of each conversation, or every one")
@@ -63,8 +64,6 @@ def setup(p: argparse.ArgumentParser):
     def run(args: argparse.Namespace) -> int:
         from sssd.calibration import datasets, ground_truth
 
-        if args.limit is not None and args.limit < 1:
-            raise ValueError("--limit must be >= 1")
         log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         if args.prompts:
             records = datasets.from_jsonl(args.prompts)

