@@ -154,14 +154,20 @@ def _cached_wheel(folder: Path, src: DataSource) -> Path | None:
 
 
 def _jsonl(data: bytes | str, where: str) -> list[dict]:
-    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the first line
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text near byte {e.start:,}") from None
+    else:
+        text = data
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{where}:{n}: not valid JSON ({e})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{where}:{n}: expected a JSON object, got {type(row).__name__}")
@@ -269,10 +275,17 @@ def heldout_file(datastore: Any = "default") -> Path:
         except Exception as e:  # noqa: BLE001 - any unreadable datastore is reported the same way
             raise FileNotFoundError(f"cannot read the datastore at {root}: {e}") from None
     name = (manifest.get("holdout") or {}).get("file")
-    if not name or not (Path(root) / name).is_file():
+    if name:
+        from sssd.files import file_inside
+
+        try:
+            path = file_inside(root, name, "held-out file")
+        except ValueError as e:
+            raise FileNotFoundError(str(e)) from None
+    if not name or not path.is_file():
         raise FileNotFoundError(f"the datastore at {root} has no held-out conversations "
                                 "(build it with --holdout-every N, as `sssd build --default` does)")
-    return Path(root) / name
+    return path
 
 
 def sharegpt_heldout(datastore: Any = "default", *, turns: str = "first") -> list[PromptRecord]:
@@ -313,11 +326,13 @@ def sharegpt_heldout(datastore: Any = "default", *, turns: str = "first") -> lis
 def from_jsonl(path: str | Path, dataset: str | None = None) -> list[PromptRecord]:
     """Prompts from a JSONL file: one object per line with "id" and either "messages" (chat
     messages) or "prompt" (a string, taken as one user turn); "reference" optional."""
+    from sssd.files import read_bytes
+
     path = Path(path)
     name = dataset or path.stem
     out = []
     seen: set[str] = set()
-    for i, row in enumerate(_jsonl(path.read_bytes(), str(path))):
+    for i, row in enumerate(_jsonl(read_bytes(path), str(path))):  # a FIFO or device is refused, never waited on
         rid = str(row.get("id", i))
         if rid in seen:
             raise ValueError(f"{path}: duplicate id {rid!r}")

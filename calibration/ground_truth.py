@@ -208,9 +208,12 @@ def read_file(path: str | Path, *, repair: bool = False) -> tuple[dict, list[dic
     Raises:
         ValueError: not a ground-truth file, or a corrupt line before the last.
     """
+    from sssd.files import open_regular
+
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO or device is refused, never waited on
         data = f.read()
+    size = len(data)
     end = data.rfind(b"\n") + 1
     if end < len(data):
         if repair:
@@ -219,9 +222,13 @@ def read_file(path: str | Path, *, repair: bool = False) -> tuple[dict, list[dic
                 f.flush()
                 os.fsync(f.fileno())
         data = data[:end]
-    lines = data.decode("utf-8").splitlines()
+    try:
+        lines = data.decode("utf-8-sig").splitlines()  # a byte-order mark (an editor's) is not part of the header
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not an {FORMAT} file (not UTF-8 text near byte {e.start:,})") from None
     if not lines:
-        raise ValueError(f"{path} is empty: not a ground-truth file (delete it to start over)")
+        what = "is empty" if not size else "has no complete line"
+        raise ValueError(f"{path} {what}: not a ground-truth file (delete it to start over)")
     try:
         header = json.loads(lines[0])
     except ValueError:

@@ -213,3 +213,54 @@ def test_provenance_names_no_machine_directories(tmp_path, monkeypatch):
     data = json.loads(packaged_calibration("smollm2-135m-instruct").read_text())
     found = list(paths({"datastore": data["datastore"], "groundtruth": data["groundtruth"]}))
     assert found and not any(p.startswith("/") for p in found), found
+
+
+# -- the files calibration reads: never blocked on, never followed out of a datastore --------
+
+def test_ground_truth_and_prompt_files_refuse_fifos_without_blocking(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "gt.jsonl")
+    code = ("import sys\nfrom sssd.calibration import datasets, ground_truth\n"
+            "for load in (ground_truth.load_groundtruth, datasets.from_jsonl):\n"
+            "    try:\n        load(sys.argv[1])\n    except OSError as e:\n        print(e)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "gt.jsonl")], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading a FIFO as ground truth blocked")
+    assert proc.stdout.splitlines() == [f"{tmp_path / 'gt.jsonl'}: it is a FIFO, not a regular file"] * 2, proc.stderr
+
+
+def test_ground_truth_and_prompt_files_that_are_not_text(tmp_path):
+    from sssd.calibration import datasets, ground_truth
+
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00 binary\n")
+    with pytest.raises(ValueError, match=r"bin.jsonl is not an sssd-groundtruth file \(not UTF-8 text near byte 0\)"):
+        ground_truth.load_groundtruth(tmp_path / "bin.jsonl")
+    with pytest.raises(ValueError, match=r"bin.jsonl: not UTF-8 text near byte 0"):
+        datasets.from_jsonl(tmp_path / "bin.jsonl")
+    (tmp_path / "partial.jsonl").write_text('{"format": "sssd-groundtruth"')  # no newline: nothing complete
+    with pytest.raises(ValueError, match="partial.jsonl has no complete line"):
+        ground_truth.load_groundtruth(tmp_path / "partial.jsonl")
+    # An editor's byte-order mark is not part of the first line.
+    (tmp_path / "p.jsonl").write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "hi"}\n')
+    assert [r.id for r in datasets.from_jsonl(tmp_path / "p.jsonl")] == ["a"]
+
+
+def test_a_heldout_file_linked_out_of_the_datastore_is_refused(tmp_path):
+    from sssd.calibration.datasets import heldout_file
+
+    sssd.Datastore.build(np.array([1, 2, sssd.SEPARATOR], dtype=np.uint32), tmp_path / "ds",
+                         metadata={"holdout": {"file": "heldout.jsonl", "every": 50, "count": 1}})
+    (tmp_path / "elsewhere.jsonl").write_text('{"index": 0, "turns": []}\n')
+    (tmp_path / "ds" / "heldout.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    with pytest.raises(FileNotFoundError, match="symbolic link to .*elsewhere.jsonl, outside the folder"):
+        heldout_file(tmp_path / "ds")
+    m = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    m["holdout"]["file"] = "../elsewhere.jsonl"
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FileNotFoundError, match="not a plain file name inside the datastore folder"):
+        heldout_file(tmp_path / "ds")
