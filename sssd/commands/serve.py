@@ -22,10 +22,11 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the model's name)")
     p.add_argument("--datastore", default="default",
-                   help="datastore directory, 'default' (built on first use), or 'none' (draft from prompts only)")
+                   help="datastore directory, 'none' (draft from prompts only), or 'default': the default "
+                        "datastore, built on first use (default: default)")
     p.add_argument("--drafter", default="default",
-                   help="drafter config or `sssd calibrate` parameter file ('default': the packaged calibration "
-                        "for the default model when serving it, else the built-in defaults)")
+                   help="drafter config or `sssd calibrate` parameter file (default: the packaged calibration "
+                        "when serving the default model with the default datastore, else the built-in defaults)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; the default serves this machine only (see SECURITY.md before exposing it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
