@@ -20,11 +20,16 @@ plain decoding, it returns 0.
 
 That model is a prior. Real steps cost more than the profiled forward pass
 (drafting, packing, acceptance), and the real acceptance differs from the
-calibration set's, so the planner also measures: per batch-size bucket
-(powers of two) it keeps the observed tokens per second of the prior's
-choice, its neighbours on a ladder of budgets and plain decoding (each
-tried for a few steps, and again every `refresh` steps in that bucket), and
-uses the best observed one.
+calibration set's, so the planner also measures. Per batch-size bucket
+(powers of two) it tracks, for the prior's choice, its neighbours on a
+ladder of budgets and plain decoding, the tokens each step emitted per row
+and the step's wall time, with exponential forgetting (the workload
+drifts). Its estimate of a budget's MAT is the observed mean shrunk toward
+the calibrated MAT by a number of pseudo-steps, so that a few unlucky
+steps (acceptance varies a lot from one step to the next) cannot switch a
+good budget off; step times come from measurement alone. Each candidate is
+tried for a few steps at first and again every `refresh` steps; otherwise
+the bucket runs the budget with the best estimated tokens per second.
 """
 
 from __future__ import annotations
@@ -66,10 +71,11 @@ class BudgetPlanner:
         adaptive: correct the model by measured step rates (``observe``).
         explore_steps: steps each candidate budget is tried for before comparing.
         refresh: steps in a batch-size bucket after which the candidates are re-tried.
+        prior_steps: pseudo-steps of the calibrated MAT in each budget's MAT estimate.
     """
 
     def __init__(self, fixed: int | None, mat: dict[int, float] | None = None, profile: ForwardProfile | None = None,
-                 adaptive: bool = True, explore_steps: int = 4, refresh: int = 256):
+                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 256, prior_steps: float = 4.0):
         self.fixed = fixed
         known = dict(mat or DEFAULT_MAT)
         self.mat = interpolate_mat(known, max(known))
@@ -77,6 +83,7 @@ class BudgetPlanner:
         self.adaptive = adaptive
         self.explore_steps = explore_steps
         self.refresh = refresh
+        self.prior_steps = prior_steps
         self.choices: dict[int, int] = {}  # batch size -> budget the model chose (reported)
         self.buckets: dict[int, _Bucket] = {}
         if fixed is None and profile is None:
@@ -119,7 +126,7 @@ class BudgetPlanner:
         """A decode step's outcome: its wall time and the tokens it emitted over all rows."""
         if self.fixed is not None or not self.adaptive or seconds <= 0:
             return
-        self._bucket(batch, self.model_budget(batch)).observe(budget, seconds, tokens)
+        self._bucket(batch, self.model_budget(batch)).observe(budget, seconds, tokens / max(batch, 1))
 
     def _bucket(self, batch: int, prior: int) -> _Bucket:
         key = 1 << max(0, int(batch) - 1).bit_length()  # 1, 2, 4, 8, ...: the batch rounded up to a power of 2
@@ -130,7 +137,8 @@ class BudgetPlanner:
             # a neighbour the model expects to be far slower is not worth trying (large batches)
             floor = 0.75 * self.expected_rate(key, prior)
             cands = {0, prior} | {b for b in near if self.expected_rate(key, b) >= floor}
-            self.buckets[key] = _Bucket(sorted(cands), prior, self.explore_steps, self.refresh)
+            self.buckets[key] = _Bucket(sorted(cands), prior, {b: self.mat[b] for b in cands}, self.explore_steps,
+                                        self.refresh, self.prior_steps)
         return self.buckets[key]
 
     def observed(self) -> dict[int, dict]:
@@ -151,16 +159,21 @@ class BudgetPlanner:
 
 
 class _Bucket:
-    """Measured tokens/s of a few candidate budgets at one batch-size bucket."""
+    """Estimated tokens/s of a few candidate budgets at one batch-size bucket."""
 
-    WINDOW = 16  # steps per budget the rate is measured over
+    DECAY = 0.98  # weight of past observations per new one (an effective window of ~50 steps per budget)
 
-    def __init__(self, candidates: list[int], prior: int, explore_steps: int, refresh: int):
+    def __init__(self, candidates: list[int], prior: int, prior_mat: dict[int, float], explore_steps: int,
+                 refresh: int, prior_steps: float):
         self.candidates = candidates
         self.prior = prior
+        self.prior_mat = prior_mat
         self.explore_steps = explore_steps
         self.refresh = refresh
-        self.steps: dict[int, deque] = {b: deque(maxlen=self.WINDOW) for b in candidates}
+        self.prior_steps = prior_steps
+        self.n = {b: 0.0 for b in candidates}        # decayed step counts
+        self.tokens = {b: 0.0 for b in candidates}   # decayed tokens per row
+        self.seconds = {b: 0.0 for b in candidates}  # decayed step seconds
         self.fresh: dict[int, int] = {b: 0 for b in candidates}  # observations since the last refresh
         self.decisions = 0
 
@@ -173,18 +186,21 @@ class _Bucket:
                 return b
         return self.best()
 
-    def observe(self, budget: int, seconds: float, tokens: int) -> None:
-        if budget in self.steps:
-            self.steps[budget].append((seconds, tokens))
-            self.fresh[budget] += 1
+    def observe(self, budget: int, seconds: float, tokens_per_row: float) -> None:
+        if budget not in self.n:
+            return
+        self.n[budget] = self.DECAY * self.n[budget] + 1
+        self.tokens[budget] = self.DECAY * self.tokens[budget] + tokens_per_row
+        self.seconds[budget] = self.DECAY * self.seconds[budget] + seconds
+        self.fresh[budget] += 1
+
+    def mat(self, b: int) -> float:
+        """Tokens per row per step: the observed mean shrunk toward the calibrated MAT."""
+        return (self.prior_steps * self.prior_mat[b] + self.tokens[b]) / (self.prior_steps + self.n[b])
 
     def rates(self) -> dict[int, float]:
-        out = {}
-        for b, obs in self.steps.items():
-            secs = sum(s for s, _ in obs)
-            if obs and secs > 0:
-                out[b] = sum(t for _, t in obs) / secs
-        return out
+        """Estimated tokens per second per row, for the candidates measured so far."""
+        return {b: self.mat(b) / (self.seconds[b] / self.n[b]) for b in self.candidates if self.n[b] > 0}
 
     def best(self) -> int:
         rates = self.rates()
