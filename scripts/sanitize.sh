@@ -59,8 +59,10 @@ echo "== configuring and building the sanitized core in $build"
 pkg="$build/python"
 rm -rf "$pkg"
 mkdir -p "$pkg/sssd"
-for f in "$root"/sssd/*.py; do ln -s "$f" "$pkg/sssd/"; done
-ln -s "$root/sssd/commands" "$pkg/sssd/commands"
+for f in "$root"/sssd/*; do  # modules and subpackages (commands, models, data), not a built _core
+  case "$(basename "$f")" in _core*|__pycache__) continue ;; esac
+  ln -s "$f" "$pkg/sssd/"
+done
 ln -s "$root/datastore_builder" "$pkg/sssd/datastore_builder"
 ln -s "$root/calibration" "$pkg/sssd/calibration"
 ln -s "$root/serving" "$pkg/sssd/serving"
