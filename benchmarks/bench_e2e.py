@@ -6,8 +6,10 @@ speculation (budget chosen per step by the planner, or fixed with
 --budget) and by the same engine with speculation off. Reported per run:
 output tokens per second (all requests), mean per-token latency (a
 request's time from admission to last token / its tokens, averaged), MAT,
-the budgets the planner chose, and whether the outputs were identical (they
-must be). At batch 1 it also times Hugging Face transformers' own
+the budgets the planner chose, whether the outputs were identical (they
+must be), and the predicted speedup: the run's MAT over the profiled
+forward cost of its steps relative to a one-token step (measured /
+predicted is what the engine's own overhead leaves of the drafts' gain). At batch 1 it also times Hugging Face transformers' own
 generate() with prompt_lookup_num_tokens (its prompt lookup decoding).
 
 Plots (benchmarks/out/): latency vs throughput per model (the paper's
@@ -60,6 +62,20 @@ def summarize(outs, seconds: float) -> dict:
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
             "latency_ms_per_token": round(1e3 * float(np.mean(lat)), 2),
             "mat": round(tokens / steps, 4) if steps else None}
+
+
+def predicted_speedup(engine: LLMEngine, batch: int, mat: float | None, budgets: dict[int, int]) -> float | None:
+    """What the accepted length and the forward-cost profile promise: the run's mean accepted length
+    over the mean forward cost of its steps (at the budgets the planner ran, weighted by their step
+    counts) relative to a one-token step. Everything else a step costs is the engine's overhead, so
+    measured / predicted is the engine's efficiency."""
+    prof = engine.planner.profile
+    steps = sum(budgets.values())
+    if prof is None or not mat or not steps:
+        return None
+    one = prof.time(batch, 1)
+    cost = sum(n * prof.time(batch, b + 1) / one for b, n in budgets.items()) / steps
+    return round(mat / cost, 3)
 
 
 def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: int, reference, ngram: int = 10):
@@ -130,6 +146,10 @@ def main() -> int:
                 spec.metrics.budgets.clear()
                 row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "sssd": s, "plain": p,
                        "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3), "identical": same, "budgets": budgets}
+                predicted = predicted_speedup(spec, B, s["mat"], budgets)
+                if predicted:
+                    row["predicted"] = predicted
+                    row["of_predicted"] = round(row["speedup"] / predicted, 3)
                 if B == 1 and not args.no_hf:
                     row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.backend.info.path), spec, prompts, args.max_tokens,
                                                               [o.token_ids for o in po])
@@ -137,7 +157,7 @@ def main() -> int:
                 curves[name].append(row)
                 print(f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "
                       f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
-                      f"| speedup {row['speedup']:.2f}x identical={same} budgets={budgets}"
+                      f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}"
                       + (f" | HF PLD {row['hf_prompt_lookup']['tokens_per_s']:.2f} tok/s" if "hf_prompt_lookup" in row else ""),
                       flush=True)
         plot(curves[name], name, spec)

@@ -7,10 +7,16 @@ each in turn, in one run. Reported per server and level: output tokens/s
 over the level's wall time, mean time per output token (a request's time
 from first to last token / (tokens - 1)), mean time to first token, failed
 requests, and whether the speculative server's texts equal the plain one's.
+With --engine-alone, the concurrency-1 prompts also run one at a time
+through the engine in this process (same model, datastore, calibration and
+threads, no HTTP), first, before the servers start: served / engine-alone
+tokens/s is what the front end (HTTP, SSE, the asyncio loop, the engine
+thread) costs a single user.
 
 Usage:
   python benchmarks/bench_serve.py                         # concurrency 1 4 16 64
   python benchmarks/bench_serve.py --concurrency 1 4 --requests 8 --max-tokens 64
+  python benchmarks/bench_serve.py --concurrency 1 --engine-alone    # the front end's cost at c=1
 """
 
 from __future__ import annotations
@@ -109,6 +115,31 @@ async def run_level(url: str, prompts, concurrency: int, max_tokens: int, served
             "mean_step_gap_ms": round(1e3 * float(np.mean(tpot)), 1) if tpot else None}
 
 
+def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
+    """The prompts one after another through the engine itself, configured as `sssd serve` is."""
+    import gc
+
+    from sssd.paths import packaged_calibration
+    from sssd.serving.engine import EngineConfig, LLMEngine
+    from sssd.serving.params import SamplingParams
+
+    config = EngineConfig(max_running=max(args.concurrency), max_model_len=args.max_model_len, speculate=speculate,
+                          threads=args.threads or None)
+    engine = LLMEngine(args.model, datastore="default" if speculate else None,
+                       drafter=packaged_calibration(args.model, "default"), config=config,
+                       draft=["retrieval"] if speculate else [])
+    engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up, as the servers get
+    t0 = time.perf_counter()
+    texts = [engine.generate([m], SamplingParams(max_tokens=args.max_tokens, temperature=0))[0].text for m in prompts]
+    wall = time.perf_counter() - t0
+    budgets = dict(sorted(engine.metrics.budgets.items()))
+    del engine
+    gc.collect()
+    tokens = count_tokens(tokenizer, texts)
+    return {"wall_s": round(wall, 2), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "texts": texts,
+            "budgets": budgets}
+
+
 def count_tokens(tokenizer, texts) -> int:
     return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
@@ -121,6 +152,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per server (0: all cores)")
+    ap.add_argument("--engine-alone", action="store_true",
+                    help="also run the concurrency-1 prompts through the engine in-process (no HTTP), for the front end's cost")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -132,6 +165,13 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     questions = [r.messages for r in datasets.split(datasets.mtbench(), "eval")]
     rec = Recorder("serve", vars(args))
+    alone = {}
+    if args.engine_alone and 1 in args.concurrency:
+        n = args.requests or 8
+        prompts = [questions[i % len(questions)] for i in range(n)]
+        for name, speculate in (("sssd", True), ("plain", False)):
+            alone[name] = engine_alone(args, prompts, speculate, tokenizer)
+            print(f"engine alone, {name}: {alone[name]['tokens_per_s']} tok/s budgets {alone[name]['budgets']}", flush=True)
     servers = {}
     try:
         for name, speculate in (("sssd", True), ("plain", False)):
@@ -156,6 +196,15 @@ def main() -> int:
             if not (row["sssd"]["tokens"] and row["plain"]["tokens"]):
                 raise RuntimeError(f"no tokens came back at concurrency {c}: {row}")
             row["speedup"] = round(row["sssd"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+            if c == 1 and alone:
+                for name in servers:
+                    a = {k: v for k, v in alone[name].items() if k != "texts"}
+                    a["identical_to_served"] = alone[name]["texts"] == row[name]["texts"]
+                    row[name]["engine_alone"] = a
+                    row[name]["served_over_engine"] = round(row[name]["tokens_per_s"] / a["tokens_per_s"], 3)
+                    print(f"  {name}: served {row[name]['tokens_per_s']} tok/s vs engine alone {a['tokens_per_s']} "
+                          f"tok/s: {row[name]['served_over_engine']:.3f}x (same texts: {a['identical_to_served']})",
+                          flush=True)
             for name in servers:
                 row[name].pop("texts")
             rec.add(**row)
