@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sssd.datastore import MANIFEST, MAX_MANIFEST_BYTES, DatastoreError, check_manifest
-from sssd.files import check_regular, file_sha256, open_regular
+from sssd.datastore import MANIFEST, MAX_MANIFEST_BYTES, DatastoreError, check_manifest, write_manifest
+from sssd.files import atomic_directory, check_regular, file_sha256, open_regular
 from sssd.paths import cache_dir
 
 MAGIC = b"SSSDPACK"
@@ -159,24 +159,19 @@ def unpack_cached(archive: str | Path) -> Path:
     target = root / digest
     if (target / MANIFEST).is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.", dir=root))
     try:
-        try:
+        # Named by the archive's sha256: a process that loses the race to unpack it keeps the winner's copy.
+        with atomic_directory(target, replace=False, tag="unpacking") as tmp:
             unpack(archive, tmp)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DatastoreError(f"{archive}: no space left on the device holding {root} while unpacking "
-                                     "(nothing was kept)") from None
-            raise
-        _point_tokenizer_at(tmp, target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / MANIFEST).is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _point_tokenizer_at(tmp, target)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DatastoreError(f"{archive}: no space left on the device holding {root} while unpacking "
+                                 "(nothing was kept)") from None
+        raise
+    if not (target / MANIFEST).is_file():
+        raise DatastoreError(f"{target} is in the way of unpacking {archive}: it is not a complete unpacked "
+                             "datastore; remove it")
     return target
 
 
@@ -400,12 +395,12 @@ def _parse_manifest(data: bytes, archive: str | Path) -> dict[str, Any]:
 
 def _point_tokenizer_at(directory: Path, final: Path) -> None:
     """Makes the unpacked manifest's tokenizer path name the unpacked tokenizer.json."""
-    tok_file = ((json.loads((directory / MANIFEST).read_text()).get("tokenizer")) or {}).get("file")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    tok_file = (manifest.get("tokenizer") or {}).get("file")
     if not tok_file or not (directory / tok_file).is_file():
         return
-    manifest = json.loads((directory / MANIFEST).read_text())
     manifest["tokenizer"]["path"] = str(final / tok_file)
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(directory, manifest)
 
 
 def _sha256(path: Path) -> str:

@@ -13,9 +13,10 @@ Stages (each timed, each with a progress bar on a terminal):
 4. checksum: sha256 of every file, recorded in manifest.json.
 
 Everything is written into a temporary sibling directory
-(``.<name>.building-<pid>-*``) that is renamed onto the output only when
-complete; any failure or interrupt removes it, so nothing half-written ever
-loads. Temporaries of killed builds (dead pid) are removed by the next build.
+(``.<name>.building-<pid>-*``, sssd.files.atomic_directory) that is renamed
+onto the output only when complete; any failure or interrupt removes it, so
+nothing half-written ever loads. Temporaries of killed builds (dead pid) are
+removed by the next build.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import platform
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,17 +40,19 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from sssd import _core
-from sssd.datastore import DATA_FILES, FORMAT_VERSION, MANIFEST, DatastoreError, _replace_dir
+from sssd.datastore import DATA_FILES, FORMAT_VERSION, MANIFEST, DatastoreError, write_manifest
 from sssd.datastore_builder.readers import CorpusError, Fields, Source, SourceStats, read_source, resolve_inputs
 from sssd.datastore_builder.sharegpt import HoldoutRule, select_turns
 from sssd.datastore_builder.tokenize import BATCH_DOCS, StageClock, tokenize_documents
-from sssd.files import file_sha256
+from sssd.files import atomic_directory, file_sha256
 from sssd.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HELDOUT_FILE = "heldout.jsonl"
 #: Set to "<stage>:fail" or "<stage>:pause" to fail or stop a build after a
 #: stage (read, tokenize, index, checksum, manifest); for testing atomicity.
 FAULT_ENV = "SSSD_BUILD_FAULT"
+#: The temporary directory of a build is ``.<output name>.<TEMP_TAG>-<pid>-<random>``.
+TEMP_TAG = "building"
 
 
 @dataclass
@@ -146,72 +148,69 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(output)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-{os.getpid()}-", dir=output.parent))
     except OSError as e:
         raise OSError(e.errno, f"cannot create the datastore in {output.parent}: {e.strerror or e}") from None
     stats: list[SourceStats] = []
+    tmp = None
     try:
-        # 1 + 2. read and tokenize, batch by batch.
-        with _heldout_writer(tmp if holdout.every else None) as heldout:
-            docs = _documents(sources, cfg, holdout, heldout, stats, bars)
-            with bars.bar("tokenize", unit=" docs") as tbar:
-                done = [0]
+        with atomic_directory(output, replace=True, tag=TEMP_TAG) as tmp:  # renamed onto output at the end, else removed
+            # 1 + 2. read and tokenize, batch by batch.
+            with _heldout_writer(tmp if holdout.every else None) as heldout:
+                docs = _documents(sources, cfg, holdout, heldout, stats, bars)
+                with bars.bar("tokenize", unit=" docs") as tbar:
+                    done = [0]
 
-                def on_batch(num_docs: int, num_tokens: int) -> None:
-                    done[0] += num_tokens
-                    tbar.set_postfix_str(f"{done[0]:,} tokens", refresh=False)
-                    tbar.update(num_docs)
+                    def on_batch(num_docs: int, num_tokens: int) -> None:
+                        done[0] += num_tokens
+                        tbar.set_postfix_str(f"{done[0]:,} tokens", refresh=False)
+                        tbar.update(num_docs)
 
-                tokens = tokenize_documents(docs, tok, batch_docs=cfg.batch_docs, clock=clock, memoize=not cfg.dedup,
-                                            on_batch=on_batch)
-        bars.close_read()
-        for st in stats:
-            cfg.log(f"sssd build: {st.summary()}")
-        num_docs = sum(st.documents for st in stats)
-        if num_docs == 0:
-            raise CorpusError("empty corpus: the inputs gave no documents ("
-                              + "; ".join(st.summary() for st in stats) + ")")
-        _fault("tokenize")
+                    tokens = tokenize_documents(docs, tok, batch_docs=cfg.batch_docs, clock=clock, memoize=not cfg.dedup,
+                                                on_batch=on_batch)
+            bars.close_read()
+            for st in stats:
+                cfg.log(f"sssd build: {st.summary()}")
+            num_docs = sum(st.documents for st in stats)
+            if num_docs == 0:
+                raise CorpusError("empty corpus: the inputs gave no documents ("
+                                  + "; ".join(st.summary() for st in stats) + ")")
+            _fault("tokenize")
 
-        # 3. index.
-        t0 = time.perf_counter()
-        _check_space(tmp, tokens.shape[0])
-        with bars.bar("sort", unit=" suffixes", unit_scale=True) as sbar:
-            def sort_progress(done: int, total: int) -> None:
-                sbar.total = total
-                sbar.n = done
-                sbar.refresh()
+            # 3. index.
+            t0 = time.perf_counter()
+            _check_space(tmp, tokens.shape[0])
+            with bars.bar("sort", unit=" suffixes", unit_scale=True) as sbar:
+                def sort_progress(done: int, total: int) -> None:
+                    sbar.total = total
+                    sbar.n = done
+                    sbar.refresh()
 
-            try:
-                _write_index(tokens, tmp, cfg.num_threads, sort_progress)
-            except _core.SSSDError as e:
-                raise DatastoreError(f"{e}; the partial build was removed") from None
-        tok.save(tmp / TOKENIZER_FILE)
-        st_native = _core.stream_stats(tokens, cfg.num_threads)
-        clock.add("index", time.perf_counter() - t0)
-        _fault("index")
+                try:
+                    _write_index(tokens, tmp, cfg.num_threads, sort_progress)
+                except _core.SSSDError as e:
+                    raise DatastoreError(f"{e}; the partial build was removed") from None
+            tok.save(tmp / TOKENIZER_FILE)
+            st_native = _core.stream_stats(tokens, cfg.num_threads)
+            clock.add("index", time.perf_counter() - t0)
+            _fault("index")
 
-        # 4. checksums and manifest.
-        t0 = time.perf_counter()
-        names = [*DATA_FILES, TOKENIZER_FILE] + ([HELDOUT_FILE] if holdout.every else [])
-        files = _checksums(tmp, names, bars)
-        clock.add("checksum", time.perf_counter() - t0)
-        _fault("checksum")
-        stages = {k: round(v, 3) for k, v in clock.seconds.items()}
-        manifest = _manifest(cfg, output, tok, tokens, st_native, files, stats, holdout, stages,
-                             time.perf_counter() - t_start)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _make_readable(tmp)
-        _fault("manifest")
-        _replace_dir(tmp, output)
+            # 4. checksums and manifest.
+            t0 = time.perf_counter()
+            names = [*DATA_FILES, TOKENIZER_FILE] + ([HELDOUT_FILE] if holdout.every else [])
+            files = _checksums(tmp, names, bars)
+            clock.add("checksum", time.perf_counter() - t0)
+            _fault("checksum")
+            stages = {k: round(v, 3) for k, v in clock.seconds.items()}
+            manifest = _manifest(cfg, output, tok, tokens, st_native, files, stats, holdout, stages,
+                                 time.perf_counter() - t_start)
+            write_manifest(tmp, manifest)
+            _fault("manifest")
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is None:
+            raise OSError(e.errno, f"cannot create the datastore in {output.parent}: {e.strerror or e}") from None
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OSError(e.errno, f"no space left on the device holding {output.parent} "
                                    f"({e.strerror or e}); the partial build was removed") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         bars.close()
@@ -364,7 +363,7 @@ def _check_output(output: Path, overwrite: bool) -> None:
 
 def _remove_stale_temporaries(output: Path) -> None:
     """Removes ``.<name>.building-<pid>-*`` directories left by builds that were killed."""
-    prefix = f".{output.name}.building-"
+    prefix = f".{output.name}.{TEMP_TAG}-"
     for p in output.parent.glob(prefix + "*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -375,13 +374,6 @@ def _remove_stale_temporaries(output: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         except PermissionError:
             pass
-
-
-def _make_readable(directory: Path) -> None:
-    """mkdtemp makes a private (0700) directory; give the datastore the usual umask permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
 
 
 def _check_space(directory: Path, num_tokens: int) -> None:

@@ -8,17 +8,14 @@ On disk a datastore is a directory::
     token_index.bin     64-byte header + uint64 first-token index
 
 ``Datastore.build`` writes it atomically: into a temporary sibling directory
-that is renamed into place only once complete, so an interrupted or failed
-build never leaves anything that loads.
+that is renamed into place only once complete (sssd.files.atomic_directory),
+so an interrupted or failed build never leaves anything that loads.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +24,8 @@ import numpy as np
 
 from sssd import _core
 from sssd._tokens import as_tokens
-from sssd.files import NotRegularFileError, check_regular, describe_mode, file_inside, file_sha256, is_plain_name, read_bytes
+from sssd.files import (NotRegularFileError, atomic_directory, check_regular, describe_mode, file_inside, file_sha256,
+                        is_plain_name, read_bytes, write_atomic)
 
 SEPARATOR: int = int(_core.SEPARATOR)
 FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
@@ -74,6 +72,17 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DatastoreError(f"{mf}: unreadable manifest ({e})") from None
     return check_manifest(manifest, mf)
+
+
+def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
+    """Writes ``manifest`` as ``directory``/manifest.json, atomically (a temporary file beside
+    it, then os.replace): keys in their given order, indented by 2, with a trailing newline.
+
+    Returns the manifest file's path.
+    """
+    path = Path(directory) / MANIFEST
+    write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    return path
 
 
 def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
@@ -232,10 +241,7 @@ class Datastore:
         path = Path(path).expanduser().absolute()
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} already exists (pass overwrite=True to replace it)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; a datastore is meant to be shared
-        try:
+        with atomic_directory(path, replace=True, tag="building") as tmp:
             t0 = time.perf_counter()
             try:
                 _core.Datastore.write(arr, str(tmp), num_threads, progress)
@@ -255,11 +261,7 @@ class Datastore:
                 "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)} for name in DATA_FILES},
             }
             manifest.update(metadata or {})
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            _replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_manifest(tmp, manifest)
         return Datastore.open(path)
 
     # -- properties ---------------------------------------------------------
@@ -424,13 +426,3 @@ def _stream(tokens: Any) -> np.ndarray:
         raise ValueError(f"tokens[{bad}] = {int(arr[bad])} is outside [0, {SEPARATOR}]")
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Moves the finished directory ``src`` to ``dst`` (replacing it) atomically."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.rename(dst, old)
-        os.rename(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(src, dst)

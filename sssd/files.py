@@ -1,5 +1,6 @@
 """Small file helpers shared across the package: regular-file checks, streaming
-sha256, bounded and lenient JSON reads, names inside a folder.
+sha256, bounded and lenient JSON reads, names inside a folder, and atomic
+writes (:func:`atomic_directory`, :func:`write_atomic`).
 
 Anything that reads a file it did not create goes through :func:`open_regular`:
 opening a FIFO for reading blocks until a writer appears (forever, if none
@@ -15,10 +16,13 @@ import errno
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 #: Bytes read per chunk when hashing.
 CHUNK = 1 << 22
@@ -156,3 +160,92 @@ def file_inside(folder: str | Path, name: object, what: str = "file") -> Path:
         if root not in target.parents:
             raise ValueError(f"{path}: {what} is a symbolic link to {target}, outside the folder; refusing to follow it")
     return path
+
+
+# -- atomic writes ---------------------------------------------------------------------
+
+@contextmanager
+def atomic_directory(target: str | Path, *, replace: bool, tag: str = "tmp") -> Iterator[Path]:
+    """A new empty directory beside ``target`` to fill, renamed onto ``target`` once the block succeeds.
+
+    The directory, ``.<target name>.<tag>-<pid>-<random>``, is made like any new
+    directory (mode 0777 less the umask; the parent is created if missing). If
+    the block raises anything, KeyboardInterrupt included, the directory is
+    removed and ``target`` is left as it was. When the block ends normally:
+
+    * ``replace=True``: an existing ``target`` is renamed aside
+      (``.<name>.old-<pid>-<random>``), the new directory renamed in, then the
+      old one removed (if the second rename fails, the old one is put back):
+      ``target`` is never a partial or mixed directory (for a moment, none).
+    * ``replace=False``: an existing ``target`` is kept and the new directory
+      removed. This is for targets named by their content (caches): when two
+      processes make the same thing at once, the loser uses the winner's copy.
+
+    Raises:
+        OSError: the directory cannot be made or renamed (nothing is left behind).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp, _ = _create_unique(target.parent, f".{target.name}.{tag}-{os.getpid()}-", lambda p: os.mkdir(p, 0o777))
+    try:
+        yield tmp
+        if replace:
+            _rename_replacing(tmp, target)
+        else:
+            _rename_unless_exists(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Writes ``data`` to the file ``path`` through a hidden temporary file beside it and
+    ``os.replace``: a reader sees the old contents or the new, never part of them. The
+    file gets the usual mode (0666 less the umask); on any failure the temporary is removed.
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    tmp, fd = _create_unique(path.parent, f".{path.name}.{os.getpid()}-", lambda p: os.open(p, flags, 0o666))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _create_unique(folder: Path, prefix: str, create: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """``(path, create(path))`` for the first free ``folder / (prefix + random)``
+    (``create`` must raise FileExistsError if the name is taken)."""
+    for _ in range(100):
+        path = folder / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            return path, create(path)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(folder / prefix))
+
+
+def _rename_replacing(src: Path, dst: Path) -> None:
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(dst, old)
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+def _rename_unless_exists(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)  # onto nothing, or onto an empty directory
+    except OSError:
+        if not dst.is_dir():  # not a lost race: a real failure
+            raise

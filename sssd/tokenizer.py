@@ -21,15 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sssd.datastore import DatastoreError
-from sssd.files import file_sha256, read_json_dict
+from sssd.files import atomic_directory, file_sha256, read_json_dict
 
 #: The file a datastore keeps its tokenizer in, next to manifest.json.
 TOKENIZER_FILE = "tokenizer.json"
@@ -247,19 +245,11 @@ def _transformers_tokenizer(folder: Path, *, spec: Path, gguf_file: str | None =
 
 
 def _save_cached(backend: Any, meta: dict, target: Path) -> None:
-    """Writes tokenizer.json + sssd_tokenizer.json into ``target`` atomically (safe if processes race)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    """Writes tokenizer.json + sssd_tokenizer.json into ``target`` atomically. ``target`` is named by
+    content, so a process that loses a race to write it keeps the winner's copy."""
+    with atomic_directory(target, replace=False, tag="saving") as tmp:
         backend.save(str(tmp / TOKENIZER_FILE))
         (tmp / "sssd_tokenizer.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / TOKENIZER_FILE).is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_gguf(path: Path) -> bool:

