@@ -265,12 +265,17 @@ class DrafterConfig:
         default budget).
 
         Raises:
-            ValueError: unreadable or malformed file, or a calibration file
-                from a newer format version.
+            ValueError: missing, unreadable, not a regular file (a FIFO is refused
+                without being opened for reading), larger than 64 MiB, or malformed;
+                or a calibration file from a newer format version.
         """
+        from sssd.files import MAX_JSON_SIDE_FILE, read_bytes
+
         try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            d = json.loads(read_bytes(path, MAX_JSON_SIDE_FILE))
+        except OSError as e:  # NotRegularFileError: "it is a FIFO, not a regular file"
+            raise ValueError(f"{path}: cannot read a drafter config ({e.strerror or e})") from e
+        except (ValueError, RecursionError) as e:  # too large, not UTF-8, not JSON
             raise ValueError(f"{path}: cannot read a drafter config ({e})") from e
         if not isinstance(d, dict):
             raise ValueError(f"{path}: a drafter config is a JSON object")

@@ -31,10 +31,17 @@ SEPARATOR: int = int(_core.SEPARATOR)
 FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
 MANIFEST = "manifest.json"
 DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE), str(_core.TOKEN_INDEX_FILE))
+#: The name that Datastore.open (and sssd.Drafter, ``sssd serve``) takes for the default datastore.
+DEFAULT = "default"
 
 
-class DatastoreError(_core.SSSDError):
-    """A datastore is missing, corrupt, or incompatible."""
+class DatastoreError(_core.SSSDError, ValueError):
+    """A datastore is missing, corrupt, or incompatible.
+
+    Both an ``sssd.SSSDError`` (as every error of the native core) and a ValueError
+    (a bad datastore is a bad argument), so ``except ValueError`` catches it too;
+    so is the core's own error for corrupt data files (``_core.CorruptDatastoreError``).
+    """
 
 
 #: A manifest is a few kilobytes; a larger "manifest" is refused unread.
@@ -82,6 +89,22 @@ def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
     """
     path = Path(directory) / MANIFEST
     write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    return path
+
+
+def built_default_path() -> Path:
+    """The default datastore's directory (sssd.default_datastore_path(): $SSSD_DATASTORE, else
+    ``<SSSD cache>/datastores/sharegpt-smollm2``), if it is built. Never builds it.
+
+    Raises:
+        FileNotFoundError: it is not built yet; the one-line message names the command that builds it.
+    """
+    from sssd.paths import default_datastore_path
+
+    path = default_datastore_path()
+    if not (path / MANIFEST).exists():
+        raise FileNotFoundError(f"the default datastore is not built yet (looked in {path}); build it with "
+                                "`sssd build --default`, or point SSSD_DATASTORE at a datastore directory")
     return path
 
 
@@ -172,14 +195,32 @@ class Datastore:
     # -- construction -----------------------------------------------------
     @classmethod
     def open(cls, path: str | Path) -> Datastore:
-        """Maps the datastore at ``path``. Reads only headers and the manifest.
+        """Maps a datastore (memory-mapped: reads only the headers and the manifest, and
+        checks the data files' structure in the native core).
 
-        ``path`` may also be a ``.sssd.zst`` archive (``sssd build --compress``):
-        it is decompressed once into the cache, whose copy is then mapped.
+        ``path`` is one of:
+
+        * a datastore directory (``sssd build -o DIR``, :meth:`build`);
+        * a ``.sssd.zst`` archive (``sssd build --compress``): unpacked once, with every
+          sha256 checked, into ``<SSSD cache>/datastores/unpacked/<sha256 of the archive>``,
+          whose copy is then mapped (later opens hash the archive and map the copy);
+        * the string ``"default"``: the default datastore, the one ``sssd serve`` and
+          ``sssd.draft`` use (:func:`built_default_path`). It is never built here.
+          (A folder named "default" opens as ``Path("default")`` or ``"./default"``.)
 
         Raises:
-            DatastoreError: missing files, bad magic/version/size, mismatched files.
+            FileNotFoundError: ``"default"`` and the default datastore is not built yet
+                (the message names ``sssd build --default``).
+            DatastoreError (also a ValueError and an sssd.SSSDError): nothing at ``path``;
+                not a datastore directory or archive; a manifest that is missing,
+                unreadable, malformed or from a newer format; a data file that is missing,
+                not a regular file (a FIFO is refused without blocking) or outside the
+                folder; corrupt or mismatched data files (bad magic, version, size,
+                fingerprint or contents); an archive that is corrupt, truncated, or
+                larger than the unpack limit or the free disk space.
         """
+        if isinstance(path, str) and path == DEFAULT:
+            path = built_default_path()
         path = Path(path).expanduser()
         if path.is_file():  # a compressed archive: unpacked once into the cache, then mapped
             from sssd.datastore_builder.archive import unpack_cached

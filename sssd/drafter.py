@@ -23,28 +23,15 @@ import numpy as np
 from sssd import _core
 from sssd._tokens import as_tokens
 from sssd.config import DrafterConfig
-from sssd.datastore import Datastore
-from sssd.paths import default_datastore_path
+from sssd.datastore import DEFAULT, Datastore
 from sssd.tree import DraftBatch, DraftTree
-
-#: Marker for "use the default datastore".
-DEFAULT = "default"
 
 
 def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | None:
     """A Datastore from an instance, a path, DEFAULT, or None (no datastore)."""
     if datastore is None or isinstance(datastore, Datastore):
         return datastore
-    if isinstance(datastore, str) and datastore == DEFAULT:
-        path = default_datastore_path()
-        if not (path / "manifest.json").exists():
-            raise FileNotFoundError(
-                f"the default datastore is not built yet (looked in {path}).\n"
-                "Build it with:  sssd build --default\n"
-                "or point SSSD_DATASTORE at a datastore directory."
-            )
-        return Datastore.open(path)
-    if isinstance(datastore, (str, Path)):
+    if isinstance(datastore, (str, Path)):  # DEFAULT too: Datastore.open knows it
         return Datastore.open(datastore)
     raise TypeError(f"datastore must be a Datastore, a path, 'default' or None, got {type(datastore).__name__}")
 

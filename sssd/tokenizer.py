@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sssd.datastore import DatastoreError
-from sssd.files import atomic_directory, file_sha256, read_json_dict
+from sssd.files import NotRegularFileError, atomic_directory, check_regular, file_sha256, open_regular, read_json_dict
 
 #: The file a datastore keeps its tokenizer in, next to manifest.json.
 TOKENIZER_FILE = "tokenizer.json"
@@ -110,8 +110,12 @@ def load_tokenizer(spec: Any) -> Tokenizer:
     Also accepts a Tokenizer (returned as is), a ``tokenizers.Tokenizer``, or a
     transformers fast tokenizer object.
 
+    Files are opened only if they are regular files: a FIFO (or device) in place of
+    a tokenizer file is refused at once, never read.
+
     Raises:
-        ValueError: the spec names nothing loadable; the message gives the spec and why.
+        ValueError: the spec names nothing loadable (missing, not a regular file, not a
+            tokenizer); the message gives the spec and why.
     """
     if isinstance(spec, Tokenizer):
         return spec
@@ -128,8 +132,16 @@ def load_tokenizer(spec: Any) -> Tokenizer:
             f"cannot load tokenizer {str(spec)!r}: no such file or folder "
             "(give a local tokenizer.json, model folder or .gguf file; sssd never downloads)"
         )
+    try:
+        return _load_path(path)
+    except NotRegularFileError as e:  # the spec, or a file in its folder, is a FIFO, a device, ...
+        why = e.strerror if e.filename == str(path) else str(e)
+        raise ValueError(f"cannot load tokenizer {str(spec)!r}: {why}") from None
+
+
+def _load_path(path: Path) -> Tokenizer:
     if path.is_dir():
-        if (path / TOKENIZER_FILE).is_file():
+        if (path / TOKENIZER_FILE).exists():  # _from_json refuses one that is not a regular file
             return _from_json(path / TOKENIZER_FILE, name=path.name)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -174,7 +186,14 @@ def _from_json(path: Path, name: str) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     try:
-        backend = Backend.from_file(str(path))
+        with open_regular(path) as f:  # NotRegularFileError for a FIFO, without blocking
+            data = f.read()
+    except NotRegularFileError:
+        raise
+    except OSError as e:
+        raise ValueError(f"cannot load tokenizer {str(path)!r}: {e.strerror or e}") from None
+    try:
+        backend = Backend.from_str(data.decode("utf-8"))
     except Exception as e:  # the tokenizers library raises plain Exception subclasses
         raise ValueError(f"cannot load tokenizer {str(path)!r}: not a valid tokenizer.json ({_first_line(e)})") from None
     meta, config = {}, {}
@@ -210,6 +229,9 @@ def _from_transformers_folder(path: Path) -> Tokenizer:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise ValueError(f"cannot load tokenizer {str(path)!r}: the folder has no tokenizer.json, .gguf or "
                          f"other tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    for f in (*_TOKENIZER_FILES, "config.json", "special_tokens_map.json", "added_tokens.json"):
+        if (path / f).exists():
+            check_regular(path / f)  # transformers would block reading a FIFO
     hf = _transformers_tokenizer(path, spec=path)
     tok = Tokenizer(hf.backend_tokenizer, name=path.name, eos_token_id=hf.eos_token_id)
     from sssd.paths import cache_dir
@@ -256,7 +278,7 @@ def _is_gguf(path: Path) -> bool:
     if path.suffix.lower() == ".gguf":
         return True
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # never blocks on a FIFO
             return f.read(4) == b"GGUF"
     except OSError:
         return False

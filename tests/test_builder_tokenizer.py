@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -69,6 +70,24 @@ def test_unloadable_tokenizers(tmp_path, spec, message):
     with pytest.raises(ValueError, match=message) as e:
         load_tokenizer(path)
     assert str(path) in str(e.value)
+
+
+def test_a_fifo_in_place_of_a_tokenizer_file_is_refused_without_being_read(tmp_path):
+    # Opening a FIFO for reading waits for a writer that never comes: the file is checked
+    # (stat, then an open that cannot block) before anything reads it, so this returns at once.
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="it is a FIFO, not a regular file") as e:
+        load_tokenizer(tmp_path / "tokenizer.json")
+    assert str(e.value) == f"cannot load tokenizer {str(tmp_path / 'tokenizer.json')!r}: it is a FIFO, not a regular file"
+    with pytest.raises(ValueError, match="it is a FIFO, not a regular file") as e:
+        load_tokenizer(tmp_path)  # a model folder whose tokenizer.json is a FIFO
+    assert str(tmp_path / "tokenizer.json") in str(e.value)
+    folder = tmp_path / "hf"  # a transformers folder: a FIFO among its tokenizer files
+    folder.mkdir()
+    (folder / "vocab.json").write_text('{"a": 0}')
+    os.mkfifo(folder / "tokenizer_config.json")
+    with pytest.raises(ValueError, match="tokenizer_config.json: it is a FIFO, not a regular file"):
+        load_tokenizer(folder)
 
 
 @pytest.fixture(scope="module")

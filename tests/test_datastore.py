@@ -247,6 +247,31 @@ def test_garbage_manifest(built):
         sssd.Datastore.open(built)
 
 
+def test_a_corrupt_datastore_is_a_value_error_and_an_sssd_error(built):
+    _patch(built / "tokens.bin", 0, b"NOTSSSD!")
+    for handler in (ValueError, sssd.SSSDError, sssd.DatastoreError):
+        with pytest.raises(handler, match="bad magic"):
+            sssd.Datastore.open(built)
+    (built / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable manifest"):
+        sssd.Datastore.open(built)
+
+
+def test_open_default_is_the_default_datastore_and_never_builds_it(tmp_path, built, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()  # a folder named "default" here is not what "default" means
+    monkeypatch.setenv("SSSD_DATASTORE", str(built))
+    ds = sssd.Datastore.open("default")
+    assert ds.path == built and ds.size == 7
+    monkeypatch.setenv("SSSD_DATASTORE", str(tmp_path / "not-built"))
+    with pytest.raises(FileNotFoundError) as e:
+        sssd.Datastore.open("default")
+    message = str(e.value)
+    assert "\n" not in message and "the default datastore is not built yet" in message
+    assert "`sssd build --default`" in message and str(tmp_path / "not-built") in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["default", "ds"]  # nothing was built
+
+
 # --- structural validation at open (bodies whose headers are fine) ----------
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:

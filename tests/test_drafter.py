@@ -1,5 +1,6 @@
 """The Drafter API: batching, request lifecycle, bad input, threads, the GIL."""
 
+import os
 import threading
 import time
 
@@ -215,6 +216,15 @@ def test_config_roundtrip(tmp_path):
     cfg = sssd.DrafterConfig(budget=12, discounts=sssd.DiscountParams(input=sssd.SourceDiscount(scale=0.3)))
     cfg.save(tmp_path / "c.json")
     assert sssd.DrafterConfig.load(tmp_path / "c.json") == cfg
+
+
+def test_a_fifo_in_place_of_a_drafter_config_is_refused_without_being_read(tmp_path):
+    # Opening a FIFO for reading waits for a writer that never comes: load checks the file
+    # (stat, then an open that cannot block) before reading, so this returns at once.
+    os.mkfifo(tmp_path / "c.json")
+    with pytest.raises(ValueError) as e:
+        sssd.DrafterConfig.load(tmp_path / "c.json")
+    assert str(e.value) == f"{tmp_path / 'c.json'}: cannot read a drafter config (it is a FIFO, not a regular file)"
 
 
 def test_default_datastore_missing_is_explained(tmp_path, monkeypatch):

@@ -220,10 +220,6 @@ def default_datastore() -> Path:
     Raises:
         FileNotFoundError: not built yet; the one-line message says how to build it.
     """
-    from sssd.paths import default_datastore_path
+    from sssd.datastore import built_default_path
 
-    path = default_datastore_path()
-    if not (path / "manifest.json").exists():
-        raise FileNotFoundError(f"the default datastore is not built yet (looked in {path}); build it with "
-                                "`sssd build --default`, or point SSSD_DATASTORE at a datastore directory")
-    return path
+    return built_default_path()
