@@ -449,7 +449,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         budget = self.planner.budget(B) if self.drafting is not None else 0
         budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
-        drafts, use = (self._draft(reqs, budgets) if budgets.any() else (None, None))
+        if not budgets.any():
+            budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
+        drafts, use = (self._draft(reqs, budgets) if budget else (None, None))
         t_draft = time.perf_counter() - t0
         batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
                      np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B), drafts, use)

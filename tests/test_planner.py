@@ -129,6 +129,22 @@ def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
     assert len(spec.metrics.budgets) >= 2 and spec.planner.buckets  # it explored, and measured
 
 
+def test_steps_where_nobody_drafts_count_as_plain_decoding(tmp_path, monkeypatch):
+    """Requests that ask for no speculation make plain steps: the planner must not charge them to the
+    budget it chose (it would learn that a budget which pays emits one token per row)."""
+    from sssd.serving.params import SamplingParams
+
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model(tmp_path / "m", "llama")
+    spec = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    spec.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05}, linear_profile(0.05, 0.0002), explore_steps=2)
+    outs = spec.generate([[5, 9, 23, 7, 3]] * 2, SamplingParams(max_tokens=30, ignore_eos=True, speculate=False))
+    assert all(len(o.token_ids) == 30 for o in outs)
+    assert set(spec.metrics.budgets) == {0}
+    bucket = spec.planner.buckets[2]
+    assert bucket.n[0] > 0 and all(bucket.n[b] == 0 for b in bucket.candidates if b)
+
+
 def test_every_budget_is_considered_and_small_ones_win_where_verifying_more_is_dear():
     """A CPU-like profile: 2-3 tokens cost about one, 5 and more grow steeply. The ladder of
     0/4/8/16/32/64 the planner had would speculate nowhere; budget 2 or 3 pays."""
