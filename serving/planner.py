@@ -71,11 +71,13 @@ class BudgetPlanner:
         adaptive: correct the model by measured step rates (``observe``).
         explore_steps: steps each candidate budget is tried for before comparing.
         refresh: steps in a batch-size bucket after which the candidates are re-tried.
-        prior_steps: pseudo-steps of the calibrated MAT in each budget's MAT estimate.
+        prior_steps: pseudo-steps of the calibrated MAT in each budget's MAT estimate (8: a budget the
+            calibration expects to pay survives a run of unlucky first steps; one that really loses
+            is given up after a few dozen steps).
     """
 
     def __init__(self, fixed: int | None, mat: dict[int, float] | None = None, profile: ForwardProfile | None = None,
-                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 256, prior_steps: float = 4.0):
+                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 128, prior_steps: float = 8.0):
         self.fixed = fixed
         known = dict(mat or DEFAULT_MAT)
         self.mat = interpolate_mat(known, max(known))

@@ -109,7 +109,8 @@ def test_planner_retries_candidates_after_refresh():
     best = max(p.buckets[4].candidates)
     gain[best] = 3.0                           # the workload changed: a budget now pays
     chosen = _run(p, 4, 120, lambda b: (0.1, 1.0) if b == 0 else (0.2, gain.get(b, 1.1)))  # batch 3 and 4 share the bucket
-    assert chosen[-5:] == [best] * 5 and chosen.count(best) > 40
+    # the prior (1.9 tokens for 0.2 s: slower than plain) and the old steps hold it back for a few refreshes
+    assert chosen[-15:] == [best] * 15
 
 
 def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
