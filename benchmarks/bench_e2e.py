@@ -24,6 +24,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,9 @@ def load_prompts(dataset: str, n: int):
     return [r.messages for r in eval_part[:n]]
 
 
-def run(engine: LLMEngine, prompts, max_tokens: int):
+def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool):
     """Generates every prompt (at most engine.config.max_running at once); returns outputs and seconds."""
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, speculate=speculate)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     return outs, time.perf_counter() - t0
@@ -78,17 +79,14 @@ def predicted_speedup(engine: LLMEngine, batch: int, mat: float | None, budgets:
     return round(mat / cost, 3)
 
 
-def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: int, reference, ngram: int = 10):
+def hf_prompt_lookup(model, eos: list[int], prompt_ids, max_tokens: int, reference, ngram: int = 10):
     """transformers' generate() with prompt lookup decoding, batch 1, greedy; `reference` are the
     plain engine's outputs (token ids), to check that its output is the same."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    eos = sorted(engine.eos_ids)
     tokens, same, t0 = 0, 0, time.perf_counter()
-    for p, ref in zip(prompts, reference):
-        ids = torch.tensor([engine.encode(p)])
+    for p, ref in zip(prompt_ids, reference):
+        ids = torch.tensor([p])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, prompt_lookup_num_tokens=ngram,
                                  eos_token_id=eos, pad_token_id=eos[0])
@@ -97,7 +95,7 @@ def hf_prompt_lookup(model_path: Path, engine: LLMEngine, prompts, max_tokens: i
         same += new == list(ref)
     seconds = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
-            "identical_to_plain": f"{same}/{len(prompts)}"}
+            "identical_to_plain": f"{same}/{len(prompt_ids)}"}
 
 
 def main() -> int:
@@ -123,11 +121,12 @@ def main() -> int:
     curves = {}
     for model, ds in zip(args.models, args.datastores):
         max_b = max(args.batch_sizes)
+        # One copy of the model (Qwen2.5-Coder-1.5B is 6 GB in float32): the plain runs are the same
+        # engine with speculation off per request (SamplingParams(speculate=False)).
         spec = LLMEngine(model, datastore=ds, drafter=args.drafter,
                          config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads))
-        plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, speculate=False,
-                                                                       threads=args.threads))
         name = Path(spec.backend.info.path).name
+        hf_jobs = []  # batch-1 rows for transformers' prompt lookup, run once the engine is gone
         if spec.planner.profile is not None:
             print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
         curves[name] = []
@@ -135,11 +134,11 @@ def main() -> int:
             all_prompts = load_prompts(dataset, max(args.prompts, args.prompts_per_row * max(args.batch_sizes)))
             for B in args.batch_sizes:
                 prompts = all_prompts[: max(args.prompts, args.prompts_per_row * B)]
-                spec_cfg = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})
-                plain_cfg = plain.config.__class__(**{**plain.config.__dict__, "max_running": B})
-                spec.config, plain.config = spec_cfg, plain_cfg  # caps admission at B running requests
-                so, st = run(spec, prompts, args.max_tokens)
-                po, pt = run(plain, prompts, args.max_tokens)
+                spec.config = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})  # caps admission at B
+                spec.metrics.budgets.clear()
+                po, pt = run(spec, prompts, args.max_tokens, speculate=False)
+                spec.metrics.budgets.clear()
+                so, st = run(spec, prompts, args.max_tokens, speculate=True)
                 s, p = summarize(so, st), summarize(po, pt)
                 same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
                 budgets = dict(sorted(spec.metrics.budgets.items()))
@@ -151,16 +150,30 @@ def main() -> int:
                     row["predicted"] = predicted
                     row["of_predicted"] = round(row["speedup"] / predicted, 3)
                 if B == 1 and not args.no_hf:
-                    row["hf_prompt_lookup"] = hf_prompt_lookup(Path(spec.backend.info.path), spec, prompts, args.max_tokens,
-                                                              [o.token_ids for o in po])
-                rec.add(**row)
+                    hf_jobs.append((row, [spec.encode(p) for p in prompts], [o.token_ids for o in po]))
                 curves[name].append(row)
                 print(f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "
                       f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
-                      f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}"
-                      + (f" | HF PLD {row['hf_prompt_lookup']['tokens_per_s']:.2f} tok/s" if "hf_prompt_lookup" in row else ""),
+                      f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}",
                       flush=True)
         plot(curves[name], name, spec)
+        path, eos = Path(spec.backend.info.path), sorted(spec.eos_ids)
+        del spec
+        gc.collect()
+        if hf_jobs:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for row, prompt_ids, reference in hf_jobs:
+                row["hf_prompt_lookup"] = hf_prompt_lookup(hf, eos, prompt_ids, args.max_tokens, reference)
+        for row in curves[name]:
+            rec.add(**row)
+            if "hf_prompt_lookup" in row:
+                h = row["hf_prompt_lookup"]
+                print(f"{name:24s} {row['set']:9s} B=1   HF prompt lookup {h['tokens_per_s']:7.2f} tok/s "
+                      f"(SSSD {row['sssd']['tokens_per_s']:.2f}, plain {row['plain']['tokens_per_s']:.2f}; "
+                      f"identical to plain {h['identical_to_plain']})", flush=True)
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
 
