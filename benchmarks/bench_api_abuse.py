@@ -12,6 +12,7 @@ whether the server is still healthy.
 Usage:
   python benchmarks/bench_api_abuse.py                   # 4 clients, 128 tokens, ~40 bad requests
   python benchmarks/bench_api_abuse.py --clients 8 --huge-mb 10 --huge-count 10
+  python benchmarks/bench_api_abuse.py --only-huge --interval 1   # one 10 MB prompt at a time: its delay
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bad_requests(huge_mb: int, huge_count: int) -> list[tuple[str, bytes]]:
+def bad_requests(huge_mb: int, huge_count: int, only_huge: bool = False) -> list[tuple[str, bytes]]:
     chat, comp = "/v1/chat/completions", "/v1/completions"
     huge = ("All work and no play makes Jack a dull boy. " * (huge_mb * 2**20 // 44 + 1))[: huge_mb * 2**20]
     out = [(chat, json.dumps({"messages": [{"role": "user", "content": huge}], "max_tokens": 8}).encode()),
            (comp, json.dumps({"prompt": huge, "max_tokens": 8}).encode())] * (huge_count // 2)
+    if only_huge:
+        return out
     junk = ['{"prompt": "hi", "temperature": NaN}', '{"prompt": "hi", "top_p": Infinity}', '{"prompt": "hi",',
             'hello', '[]', '{"prompt": "hi", "max_tokens": -1}', '{"prompt": "hi", "max_tokens": 1000000000000}',
             '{"prompt": [1, 2, 99999999999999999999999]}', '{"prompt": {"x": 1}}', '{"prompt": "hi", "n": "two"}',
@@ -95,6 +98,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens each good client asks for")
     ap.add_argument("--huge-mb", type=int, default=10, help="size of the huge prompts, MB")
     ap.add_argument("--huge-count", type=int, default=6, help="huge prompts sent during the abusive run")
+    ap.add_argument("--interval", type=float, default=0.0,
+                    help="seconds between bad requests (0: back to back, a flood; 1 with --only-huge: one 10 MB "
+                         "prompt at a time, the delay each one causes)")
+    ap.add_argument("--only-huge", action="store_true",
+                    help="send only the huge prompts (their own effect, without the valid small requests among the junk)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
     import httpx
@@ -121,7 +129,7 @@ def main() -> int:
         stop = threading.Event()
 
         def abuse():
-            reqs = bad_requests(args.huge_mb, args.huge_count)
+            reqs = bad_requests(args.huge_mb, args.huge_count, args.only_huge)
             with httpx.Client(base_url=url, timeout=120) as c:
                 while not stop.is_set():
                     for path, body in reqs:
@@ -134,6 +142,8 @@ def main() -> int:
                             code = type(e).__name__
                         bad_seconds.append(time.perf_counter() - t0)
                         statuses[code] = statuses.get(code, 0) + 1
+                        if args.interval:
+                            stop.wait(args.interval)
 
         t = threading.Thread(target=abuse)
         t.start()
