@@ -35,7 +35,6 @@ the bucket runs the budget with the best estimated tokens per second.
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 from typing import Callable
 
