@@ -94,8 +94,11 @@ class Drafter:
 
             check_compatible(self.datastore, tokenizer)
         vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
-        params = self.config.native_params(vocab, tuple(external_sources) or None)
+        self._vocab, self._external = vocab, tuple(external_sources) or None
+        params = self.config.native_params(vocab, self._external)
         self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
+        self._params: dict[DrafterConfig, Any] = {self.config: params}
+        self._params_lock = threading.Lock()
 
     # -- request lifecycle ------------------------------------------------
     def open(self, request_id: int, prompt: Any) -> None:
@@ -155,8 +158,22 @@ class Drafter:
         return int(self._native.request_memory(_request_id(request_id)))
 
     # -- drafting -----------------------------------------------------------
+    def params_for(self, config: DrafterConfig) -> Any:
+        """The native parameters of `config` for this drafter's requests (cached), or ValueError
+        if they cannot draft over its request tries (a deeper input source, another vocabulary)."""
+        with self._params_lock:
+            params = self._params.get(config)
+        if params is None:
+            params = config.replace(vocab_size=self.config.vocab_size).native_params(self._vocab, self._external)
+            self._native.check_compatible(params)
+            with self._params_lock:
+                if len(self._params) >= 16:
+                    self._params.pop(next(k for k in self._params if k != self.config))
+                self._params[config] = params
+        return params
+
     def draft(self, request_ids: Sequence[int] | np.ndarray, budgets: int | Sequence[int] | np.ndarray | None = None,
-              external: DraftBatch | dict | None = None) -> DraftBatch:
+              external: DraftBatch | dict | None = None, config: DrafterConfig | None = None) -> DraftBatch:
         """Drafts one tree per request, in one parallel call.
 
         Args:
@@ -171,9 +188,13 @@ class Drafter:
                 probabilities), optionally ``q`` (real draft probabilities,
                 NaN where none) and ``sources`` (uint8 tags 2, 3, ..., one per
                 ``external_sources`` entry).
+            config: retrieval parameters and discounts for this call instead of the
+                drafter's own (e.g. the calibration entry of this step's budget); its
+                input source may be no deeper than the drafter's (``params_for``).
 
         Raises:
-            KeyError: an id is not open. ValueError: a budget is out of range.
+            KeyError: an id is not open. ValueError: a budget is out of range, or
+            `config` does not fit this drafter.
         """
         # Ranges (ids >= 0, budgets in [0, MAX_BUDGET]) are checked in C++:
         # numpy reductions would cost more than drafting a small batch.
@@ -212,7 +233,8 @@ class Drafter:
                 "parents": np.ascontiguousarray(external.parents, dtype=np.int32),
                 "probs": np.ascontiguousarray(external.draft_probs, dtype=np.float32),
             }
-        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext))
+        params = None if config is None or config == self.config else self.params_for(config)
+        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext, params))
 
     def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:
         """Drafts once for a token prefix without opening a request."""

@@ -39,6 +39,29 @@ def test_batch_draft_equals_single_drafts(store):
         np.testing.assert_array_equal(tree.scores, one.scores)
 
 
+def test_a_per_call_config_drafts_as_a_drafter_built_with_it(store):
+    """draft(config=...) (the calibration entry of a step's budget) gives the trees a drafter
+    made with that config gives; a config deeper than the request tries is refused."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 30, int(rng.integers(2, 50))) for _ in range(24)]
+    base = sssd.DrafterConfig(budget=16)
+    other = base.replace(datastore_branch_len=5, input_branch_len=7, datastore_max_match=6, min_occurrences=3,
+                         discounts=sssd.DiscountParams(input=sssd.SourceDiscount(scale=0.2)))
+    d, ref = sssd.Drafter(store, base), sssd.Drafter(store, other)
+    for i, p in enumerate(prompts):
+        d.open(i, p)
+        ref.open(i, p)
+    ids = list(range(len(prompts)))
+    got, want, own = d.draft(ids, 24, config=other), ref.draft(ids, 24), d.draft(ids, 24)
+    for name in ("offsets", "tokens", "parents", "scores", "sources"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert not np.array_equal(own.scores, got.scores)  # the override really applied
+    with pytest.raises(ValueError, match="input tries of depth"):
+        d.draft(ids, 24, config=base.replace(input_branch_len=60))
+    with pytest.raises(ValueError, match="no n-grams"):
+        sssd.Drafter(store, base, use_input=False).draft([], 4, config=base)
+
+
 def test_one_and_two_threads_draft_identical_trees_for_a_large_batch(store):
     """The OpenMP split of a batch (groups of requests per thread) must not change any tree."""
     rng = np.random.default_rng(11)

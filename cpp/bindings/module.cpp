@@ -363,7 +363,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
            "request_id"_a)
       .def_property_readonly("num_threads", &sssd::Drafter::num_threads)
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
-                       py::object external) {
+                       py::object external, const sssd::DrafterParams* params) {
         const RequestIds id_span(ids);
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
         // The holders own copies of misaligned arrays: they outlive `ext`.
@@ -395,11 +395,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         {
           py::gil_scoped_release release;
           std::vector<sssd::DraftTree> trees;
-          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr);
+          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr, params);
           batch = sssd::concat(trees);
         }
         return draft_batch_to_dict(std::move(batch));
-      }, "request_ids"_a, "budgets"_a, "external"_a = py::none())
+      }, "request_ids"_a, "budgets"_a, "external"_a = py::none(), "params"_a = py::none())
+      .def("check_compatible", &sssd::Drafter::check_compatible, "params"_a)
       .def("draft_context", [](const sssd::Drafter& d, const py::array& context, int budget) {
         const Tokens c(context, "prefix");
         sssd::DraftBatch batch;

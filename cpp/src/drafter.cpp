@@ -152,46 +152,59 @@ size_t Drafter::request_memory(uint64_t id) const {
   return it->second->memory_bytes();
 }
 
-void Drafter::draft_group(const RequestTrie* const* tries, const int32_t* budgets,
+void Drafter::check_compatible(const DrafterParams& p) const {
+  check_params(p);
+  SSSD_CHECK_ARG(p.vocab_size == params_.vocab_size, "params for vocab_size ", p.vocab_size,
+                 " cannot draft for a drafter of vocab_size ", params_.vocab_size);
+  SSSD_CHECK_ARG(!p.use_input || params_.use_input,
+                 "params use the input source but this drafter's request tries store no n-grams");
+  SSSD_CHECK_ARG(!p.use_input || p.input_max_match + p.input_branch_len <=
+                                     params_.input_max_match + params_.input_branch_len,
+                 "params need input tries of depth ", p.input_max_match + p.input_branch_len,
+                 " (input_max_match + input_branch_len); this drafter's hold ",
+                 params_.input_max_match + params_.input_branch_len);
+}
+
+void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
                           const ExternalTrees* external, size_t begin, size_t end, Scratch& s,
                           DraftTree* out) const {
   // The group's datastore queries run interleaved, then each request merges.
-  const bool use_ds = params_.use_datastore && datastore_;
+  const bool use_ds = p.use_datastore && datastore_;
   s.queries.clear();
   for (size_t b = begin; b < end && use_ds; ++b) {
     const auto context = budgets[b] > 0 ? tries[b]->tokens() : std::span<const token_t>{};
-    s.queries.push_back(datastore_->query_task(context, params_.datastore, &s.datastore_trees[b - begin]));
+    s.queries.push_back(datastore_->query_task(context, p.datastore, &s.datastore_trees[b - begin]));
   }
   run_interleaved(std::span<Task<QueryStats>>(s.queries));
   for (size_t b = begin; b < end; ++b) {
     const QueryStats qs = use_ds ? s.queries[b - begin].result() : QueryStats{};
-    draft_one(*tries[b], budgets[b], external, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs, s,
+    draft_one(p, *tries[b], budgets[b], external, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs, s,
               out[b]);
   }
 }
 
-void Drafter::draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
-                        ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& s,
+void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
+                        size_t b, ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& s,
                         DraftTree& out) const {
   s.trees.clear();
   if (budget > 0) {
     const std::span<const token_t> context = trie.tokens();
     if (datastore_tree && qs.match_len > 0) {
-      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, params_.datastore.branch_len));
+      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, p.datastore.branch_len));
     }
-    if (params_.use_input) {
-      const int longest = int(std::min<size_t>(context.size(), size_t(params_.input_max_match)));
+    if (p.use_input) {
+      const int longest = int(std::min<size_t>(context.size(), size_t(p.input_max_match)));
       for (int len = longest; len >= 1; --len) {
         SourceTree t = trie.continuations(len);
         if (!t.empty()) {
-          t.max_depth = std::min(t.max_depth, params_.input_branch_len);
+          t.max_depth = std::min(t.max_depth, p.input_branch_len);
           s.trees.push_back(t);
         }
       }
     }
     if (external) add_external(*external, b, s);
   }
-  s.merger.merge(s.trees, params_.scores, budget, out);
+  s.merger.merge(s.trees, p.scores, budget, out);
 }
 
 void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) const {
@@ -229,8 +242,10 @@ void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) 
 }
 
 void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
-                    std::vector<DraftTree>& out, const ExternalTrees* external) const {
+                    std::vector<DraftTree>& out, const ExternalTrees* external, const DrafterParams* params) const {
   const size_t n = ids.size();
+  if (params) check_compatible(*params);
+  const DrafterParams& p = params ? *params : params_;
   SSSD_CHECK_ARG(budgets.size() == n, "got ", n, " request ids but ", budgets.size(), " budgets");
   for (size_t b = 0; b < n; ++b) {
     SSSD_CHECK_ARG(budgets[b] >= 0 && budgets[b] <= kMaxBudget, "budget[", b, "] = ", budgets[b],
@@ -296,7 +311,7 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
 #pragma omp for schedule(dynamic, 1)
     for (size_t g = 0; g < groups; ++g) {
       capture.run([&] {
-        draft_group(tries.data(), budgets.data(), external, g * kInterleave, std::min(n, (g + 1) * kInterleave),
+        draft_group(p, tries.data(), budgets.data(), external, g * kInterleave, std::min(n, (g + 1) * kInterleave),
                     *scratch, out.data());
       });
     }
@@ -313,7 +328,7 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
   Scratch scratch;
   DraftTree out;
   const RequestTrie* tries[1] = {trie.get()};
-  draft_group(tries, &budget, nullptr, 0, 1, scratch, &out);
+  draft_group(params_, tries, &budget, nullptr, 0, 1, scratch, &out);
   return out;
 }
 

@@ -81,10 +81,21 @@ class Drafter {
 
   /// Drafts for requests ids[b] with budgets[b] (0 <= budget <= kMaxBudget)
   /// into out[b]. `external`, if given, adds one more source per request.
+  /// `params`, if given, replaces the drafter's retrieval parameters and
+  /// discounts for this call (e.g. the calibration entry of this step's
+  /// budget); it must fit the request tries (check_compatible).
   /// Throws UnknownRequest for an unknown id, std::invalid_argument for a
-  /// bad budget or a malformed external tree; `out` is then unspecified.
+  /// bad budget, incompatible params or a malformed external tree; `out` is
+  /// then unspecified.
   void draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
-             std::vector<DraftTree>& out, const ExternalTrees* external = nullptr) const;
+             std::vector<DraftTree>& out, const ExternalTrees* external = nullptr,
+             const DrafterParams* params = nullptr) const;
+
+  /// Throws std::invalid_argument unless `p` can draft over this drafter's
+  /// request tries: valid, the same vocabulary, the input source only if the
+  /// tries store n-grams, and input_max_match + input_branch_len within
+  /// their depth.
+  void check_compatible(const DrafterParams& p) const;
 
   /// Drafts once for a context that is not an open request (its trie is
   /// built for this call only).
@@ -101,10 +112,10 @@ class Drafter {
  private:
   struct Scratch;
   void add_external(const ExternalTrees& external, size_t b, Scratch& s) const;
-  void draft_group(const RequestTrie* const* tries, const int32_t* budgets, const ExternalTrees* external,
-                   size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
-  void draft_one(const RequestTrie& trie, int budget, const ExternalTrees* external, size_t b,
-                 ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& scratch,
+  void draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
+                   const ExternalTrees* external, size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
+  void draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
+                 size_t b, ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& scratch,
                  DraftTree& out) const;
   std::unique_ptr<RequestTrie> make_trie() const;
 
