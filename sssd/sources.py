@@ -74,14 +74,18 @@ class Candidates:
         parents: [n] parent node index, -1 for children of the root; a parent
             precedes its children.
         probs: [n] q(token | parent path) when the source has a real draft
-            distribution (a model), else None. Probabilities also rank the
-            candidates in the merge (after the source's discount); without
-            them every candidate ranks as probability 1.
+            distribution (a model), else None. Sampled acceptance uses them as
+            the draft distribution, so they must be honest.
+        weights: [n] how the merge ranks each candidate: the conditional
+            probability, in [0, 1], that it follows its parent (e.g. a
+            retrieval source's empirical frequency), times the source's
+            discount. None: `probs`, or 1 for every candidate without them.
     """
 
     tokens: np.ndarray
     parents: np.ndarray
     probs: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
     def check(self, vocab_size: int | None) -> Candidates:
         """The proposal as int64/int32/float32 arrays, or ValueError saying what is malformed."""
@@ -96,12 +100,11 @@ class Candidates:
             raise ValueError(f"token ids must be in [0, {vocab_size}), got {int(tokens.min())}..{int(tokens.max())}")
         if n and ((parents < -1).any() or (parents >= np.arange(n)).any()):
             raise ValueError("parents must be -1 or the index of an earlier node")
-        probs = None
-        if self.probs is not None:
-            probs = np.asarray(self.probs, dtype=np.float32)
-            if probs.shape != tokens.shape or not np.all((probs >= 0) & (probs <= 1)):
-                raise ValueError("probs must be one probability in [0, 1] per node")
-        return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs)
+        probs, weights = (None if v is None else np.asarray(v, dtype=np.float32) for v in (self.probs, self.weights))
+        for name, v in (("probs", probs), ("weights", weights)):
+            if v is not None and (v.shape != tokens.shape or not np.all((v >= 0) & (v <= 1))):
+                raise ValueError(f"{name} must be one probability in [0, 1] per node")
+        return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs, weights)
 
 
 class DraftSource(abc.ABC):
@@ -309,8 +312,9 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
             n = len(c.tokens)
             toks.append(c.tokens)
             pars.append(np.where(c.parents >= 0, c.parents + n0, -1).astype(np.int32))
-            # without a real probability a candidate ranks as probability 1 (times its source's discount)
-            weights.append(c.probs if c.probs is not None else np.ones(n, np.float32))
+            # ranked by its weight, else its real probability, else as probability 1 (times its source's discount)
+            weights.append(c.weights if c.weights is not None else c.probs if c.probs is not None
+                           else np.ones(n, np.float32))
             qs.append(c.probs if c.probs is not None else np.full(n, np.nan, np.float32))
             tags.append(np.full(n, tag, np.uint8))
             n0 += n
