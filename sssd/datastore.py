@@ -407,7 +407,8 @@ class Datastore:
         """The datastore source's continuation tree for ``context`` (parent-pointer arrays).
 
         Keyword args are DatastoreQuery fields: max_match, min_match,
-        max_samples, min_occurrences, branch_len, end_token.
+        max_samples, min_occurrences, branch_len, branch_per_match,
+        max_branch_len, match_boost, end_token (DrafterConfig documents them).
         """
         q = _core.DatastoreQuery()
         for k, v in params.items():

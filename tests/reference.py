@@ -51,8 +51,29 @@ def continuation(tokens: list[int], start: int, branch_len: int, end_token: int 
     return out
 
 
-def datastore_query(tokens, sa, context, max_match, min_match, max_samples, min_occurrences, branch_len, end_token=-1):
-    """The datastore source's tree as {path tuple: weight}, plus (match_len, total)."""
+def branch_for(match, branch_len, branch_per_match=0.0, max_branch_len=16):
+    """Continuation length of an occurrence whose context matches ``match`` tokens."""
+    if branch_per_match <= 0:
+        return branch_len
+    return min(max(branch_len, max_branch_len), max(branch_len, int(branch_per_match * match)))
+
+
+def match_at(tokens, pos, length, longest, context):
+    """How far back (length..longest) the context matches at an occurrence of its length-suffix at ``pos``."""
+    m = length
+    while m < longest and pos - (m - length + 1) >= 0:
+        t = tokens[pos - (m - length + 1)]
+        if t == SEP or t != context[len(context) - m - 1]:
+            break
+        m += 1
+    return m
+
+
+def datastore_query(tokens, sa, context, max_match, min_match, max_samples, min_occurrences, branch_len, end_token=-1,
+                    branch_per_match=0.0, max_branch_len=16, match_boost=1.0):
+    """The datastore source's tree as {path tuple: weight}, plus (match_len, total), level by level:
+    level L (the context's L-suffix) weighs match_boost^(L - the lowest level used) per sample, and a
+    sample continues for branch_for(how far back the context matches there)."""
     longest = min(len(context), max_match)
     match_len = 0
     for L in range(longest, min_match - 1, -1):
@@ -63,20 +84,26 @@ def datastore_query(tokens, sa, context, max_match, min_match, max_samples, min_
     total = 0.0
     if match_len == 0:
         return {}, 0, 0.0
+    levels = []
     for L in range(match_len, min_match - 1, -1):
         pat = list(context[len(context) - L :])
         # the suffix-array range of pat, in suffix order
         ranks = [r for r, i in enumerate(sa) if tokens[i : i + L] == pat]
+        levels.append((L, ranks))
+        if len(ranks) >= min_occurrences:
+            break
+    lowest = levels[-1][0]
+    for L, ranks in levels:
         count = len(ranks)
         take = min(count, max_samples)
+        weight = match_boost ** (L - lowest)
         for k in range(take):
             r = ranks[k] if take == count else ranks[0] + (2 * k + 1) * count // (2 * take)
-            path = continuation(tokens, sa[r] + L, branch_len, end_token)
-            total += 1
+            n = branch_for(match_at(tokens, sa[r], L, longest, context), branch_len, branch_per_match, max_branch_len)
+            path = continuation(tokens, sa[r] + L, n, end_token)
+            total += weight
             for d in range(1, len(path) + 1):
-                tree[tuple(path[:d])] += 1
-        if count >= min_occurrences:
-            break
+                tree[tuple(path[:d])] += weight
     return dict(tree), match_len, total
 
 

@@ -84,6 +84,65 @@ def test_backoff_by_weighted_occurrences_equals_level_by_level(seed, min_occ, ma
     assert got["total"] == total
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), min_occ=st.integers(0, 40), max_match=st.integers(1, 10),
+       ctx_len=st.integers(1, 12), repeat=st.sampled_from([0.3, 0.9]), per_match=st.sampled_from([0.0, 0.5, 1.0, 2.5]),
+       max_branch=st.integers(1, 12), boost=st.sampled_from([1.0, 1.5, 2.0]), samples=st.sampled_from([3, 64]))
+def test_adaptive_depth_and_match_boost_equal_the_level_by_level_reference(seed, min_occ, max_match, ctx_len, repeat,
+                                                                          per_match, max_branch, boost, samples):
+    """Adaptive depth (an occurrence matching m context tokens continues for
+    clamp(per_match * m, branch_len, max_branch_len)) and the match boost (level L weighs
+    boost^(L - lowest level)) give the brute-force level-by-level tree, on both
+    backoff paths (weighted occurrences when min_occurrences <= max_samples, else
+    level by level)."""
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 40, vocab=6, repeat=repeat)
+    t = tokens.tolist()
+    ds = sssd.Datastore.from_tokens(tokens)
+    start = int(rng.integers(0, len(t)))
+    context = [x for x in t[start : start + ctx_len] if x != SEP] or [1]
+    params = dict(max_match=max_match, max_samples=samples, min_occurrences=min_occ, branch_len=2, end_token=999,
+                  branch_per_match=per_match, max_branch_len=max_branch, match_boost=boost)
+    got = ds.query(context, min_match=1, **params)
+    want, match_len, total = datastore_query(t, suffix_array(t), context, min_match=1, **params)
+    assert got["match_len"] == match_len
+    paths = tree_to_paths(got)
+    assert paths.keys() == want.keys()
+    for path, w in want.items():
+        assert paths[path] == pytest.approx(w, rel=1e-5), path
+    assert got["total"] == pytest.approx(total, rel=1e-5)
+
+
+def test_a_long_verbatim_match_is_followed_to_budget_depth():
+    """A 32-token context that occurs once in a corpus of noisy near-copies: a budget-64
+    draft with the default config follows the document's continuation for >= 48 tokens
+    (fixed-depth datastore branches stopped at 16)."""
+    rng = np.random.default_rng(4)
+    doc = rng.integers(0, 500, 200)
+    docs = [doc]
+    for _ in range(300):  # other documents share short pieces of it, never 32 tokens in a row
+        d = doc.copy()
+        d[rng.integers(0, 200, 90)] = rng.integers(0, 500, 90)
+        docs.append(d)
+    docs += [rng.integers(0, 500, 200) for _ in range(300)]
+    corpus = np.concatenate([np.append(d, SEP) for d in docs]).astype(np.uint32)
+    ds = sssd.Datastore.from_tokens(corpus)
+    context, continuation = doc[60:92], doc[92:156]
+    assert ds.count(context) == 1
+    followed = {}
+    for name, cfg in (("fixed", sssd.DrafterConfig(datastore_branch_per_match=0)), ("default", sssd.DrafterConfig())):
+        tree = sssd.Drafter(ds, cfg, use_input=False).draft_prefix(context, 64)
+        node, n = -1, 0
+        while n < len(continuation):
+            kids = np.flatnonzero((tree.parents == node) & (tree.tokens == continuation[n]))
+            if not kids.size:
+                break
+            node, n = int(kids[0]), n + 1
+        followed[name] = n
+    assert followed["fixed"] <= 16
+    assert followed["default"] >= 48, followed
+
+
 def test_continuations_never_cross_separators(rng):
     tokens = random_corpus(rng, 200, vocab=8)
     t = tokens.tolist()

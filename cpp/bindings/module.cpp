@@ -199,6 +199,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def_readwrite("max_samples", &sssd::DatastoreQuery::max_samples)
       .def_readwrite("min_occurrences", &sssd::DatastoreQuery::min_occurrences)
       .def_readwrite("branch_len", &sssd::DatastoreQuery::branch_len)
+      .def_readwrite("branch_per_match", &sssd::DatastoreQuery::branch_per_match)
+      .def_readwrite("max_branch_len", &sssd::DatastoreQuery::max_branch_len)
+      .def_readwrite("match_boost", &sssd::DatastoreQuery::match_boost)
+      .def("branch_for", &sssd::DatastoreQuery::branch_for, "match"_a,
+           "continuation length of an occurrence matching `match` context tokens")
+      .def("deepest", &sssd::DatastoreQuery::deepest, "the longest continuation (the tree's depth)")
       .def_readwrite("end_token", &sssd::DatastoreQuery::end_token);
 
   // pybind11 holders cannot be pointer-to-const; the object is immutable anyway.

@@ -97,20 +97,30 @@ void ContinuationTree::expand(uint32_t node) {
   span.open = false;
   const uint32_t a = span.a, b = span.b, d = span.depth;
   float end_weight = 0;
+  auto ended = [&](const Staged& p) {  // the path ends at or above this node
+    if (p.len != d || p.end != End::kSeparator || end_token_ < 0) return p.len <= d;
+    end_weight += p.weight;
+    return true;
+  };
   for (uint32_t k = a; k < b;) {
     const Staged& p = staged_[order_[k]];
-    if (p.len <= d) {  // the path ends here
-      if (p.len == d && p.end == End::kSeparator && end_token_ >= 0) end_weight += p.weight;
+    if (ended(p)) {
       ++k;
       continue;
     }
-    // Sorted: the paths continuing with this token are contiguous.
+    // Sorted: the paths continuing with this token are contiguous, except
+    // for paths ending here, which sort where their text does (continuations
+    // cut at different lengths) and may sit among them.
     const token_t t = p.tokens[d];
     float w = 0;
     uint32_t k1 = k;
     while (k1 < b) {
       const Staged& q = staged_[order_[k1]];
-      if (q.len <= d || q.tokens[d] != t) break;
+      if (ended(q)) {
+        ++k1;
+        continue;
+      }
+      if (q.tokens[d] != t) break;
       w += q.weight;
       ++k1;
     }

@@ -1,5 +1,7 @@
 #include "sssd/datastore.h"
 
+#include <cmath>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -48,6 +50,12 @@ void check_query(const DatastoreQuery& q) {
   SSSD_CHECK_ARG(q.max_samples >= 1, "max_samples must be >= 1");
   SSSD_CHECK_ARG(q.branch_len >= 1 && q.branch_len <= 255, "branch_len must be in [1, 255], got ",
                  q.branch_len);
+  SSSD_CHECK_ARG(q.branch_per_match >= 0 && q.branch_per_match <= 255,
+                 "branch_per_match must be in [0, 255], got ", q.branch_per_match);
+  SSSD_CHECK_ARG(q.max_branch_len >= 1 && q.max_branch_len <= 255, "max_branch_len must be in [1, 255], got ",
+                 q.max_branch_len);
+  SSSD_CHECK_ARG(q.match_boost >= 1 && q.match_boost <= 16, "match_boost must be in [1, 16], got ",
+                 q.match_boost);
   SSSD_CHECK_ARG(q.end_token >= -1 && q.end_token <= int64_t(kMaxTokenId),
                  "end_token must be -1 or a token id, got ", q.end_token);
 }
@@ -271,8 +279,19 @@ void Datastore::stage_continuation(size_t start, int branch_len, float weight,
   out.stage({text_ + begin, p - begin}, end, weight);
 }
 
-Task<bool> Datastore::sample(size_t first, size_t last, int len, DatastoreQuery q, float weight,
-                             ContinuationTree* out) const {
+int Datastore::match_at(size_t pos, int len, int longest, std::span<const token_t> context) const {
+  const size_t ctx_n = context.size();
+  int match = len;
+  while (match < longest && pos >= size_t(match - len + 1)) {
+    const token_t t = text_[pos - size_t(match - len + 1)];
+    if (t == kSeparator || t != context[ctx_n - size_t(match) - 1]) break;
+    ++match;
+  }
+  return match;
+}
+
+Task<bool> Datastore::sample(size_t first, size_t last, int len, int longest, std::span<const token_t> context,
+                             DatastoreQuery q, float weight, ContinuationTree* out) const {
   const size_t count = last - first;
   const size_t take = std::min<size_t>(count, q.max_samples);
   // Empty only if the ranges disagree with the binary search (a corrupt
@@ -295,9 +314,21 @@ Task<bool> Datastore::sample(size_t first, size_t last, int len, DatastoreQuery 
     __builtin_prefetch(text_ + std::min(start[k], n_ - 1));
   }
   co_await Prefetch{text_ + std::min(start[take - 1], n_ - 1)};
-  for (size_t k = 0; k < take; ++k) stage_continuation(start[k], q.branch_len, weight, *out);
+  const bool adaptive = q.branch_per_match > 0;
+  for (size_t k = 0; k < take; ++k) {
+    const int match = adaptive ? match_at(start[k] - size_t(len), len, longest, context) : len;
+    stage_continuation(start[k], q.branch_for(match), weight, *out);
+  }
   out->end_run();
   co_return true;
+}
+
+// boost + boost^2 + ... + boost^levels: the weight of an occurrence that
+// belongs to `levels` levels above the base.
+static double boost_sum(double boost, int levels) {
+  double w = 0, p = 1;
+  for (int j = 0; j < levels; ++j) w += (p *= boost);
+  return w;
 }
 
 Task<Datastore::Weighted> Datastore::stage_weighted(size_t first, size_t last, int len, int longest,
@@ -314,22 +345,21 @@ Task<Datastore::Weighted> Datastore::stage_weighted(size_t first, size_t last, i
   co_await Prefetch{text_ + (pos[count - 1] > 16 ? pos[count - 1] - 16 : 0)};
   Weighted w;
   w.match_len = len;
-  const size_t ctx_n = context.size();
   for (size_t k = 0; k < count; ++k) {
     // How far back the context keeps matching before this occurrence.
-    int match = len;
-    while (match < longest && pos[k] >= size_t(match - len + 1)) {
-      const token_t t = text_[pos[k] - size_t(match - len + 1)];
-      if (t == kSeparator || t != context[ctx_n - size_t(match) - 1]) break;
-      ++match;
-    }
+    const int match = match_at(pos[k], len, longest, context);
     if (match > w.match_len) {
       w.match_len = match;
       w.occurrences = 0;
     }
     if (match == w.match_len) ++w.occurrences;
     w.samples += uint32_t(match - len + 1);
-    stage_continuation(pos[k] + size_t(len), q.branch_len, float(match - len + 1), *out);
+    // Levels len..match; level len + j weighs boost^(j + 1) samples of the
+    // base level (len - 1), or boost^j without one (len is then the lowest).
+    const int levels = match - len + 1;
+    const float weight = q.match_boost == 1 ? float(levels)
+                         : float(boost_sum(q.match_boost, levels) / (len - 1 >= q.min_match ? 1.0 : q.match_boost));
+    stage_continuation(pos[k] + size_t(len), q.branch_for(match), weight, *out);
   }
   out->end_run();
   co_return w;
@@ -351,14 +381,25 @@ QueryStats Datastore::query_levels(std::span<const token_t> context, const Datas
   }
   if (lo < q.min_match) return stats;
   stats.match_len = lo;
+  // The levels used, longest first, down to the first with enough occurrences;
+  // level len weighs match_boost^(len - lowest level used).
+  struct Level {
+    int len;
+    size_t first, last;
+  };
+  std::vector<Level> levels;
   for (int len = lo; len >= q.min_match; --len) {
     const auto [first, last] = find(suffix_of(len));
-    if (len == lo) stats.occurrences = last - first;
-    auto t = sample(first, last, len, q, 1.0f, &out);
-    run(t);
-    stats.samples += uint32_t(std::min<size_t>(last - first, q.max_samples));
-    ++stats.levels;
+    levels.push_back({len, first, last});
     if (last - first >= q.min_occurrences) break;
+  }
+  stats.occurrences = levels.front().last - levels.front().first;
+  const int lowest = levels.back().len;
+  for (const Level& l : levels) {
+    auto t = sample(l.first, l.last, l.len, longest, context, q, float(std::pow(q.match_boost, l.len - lowest)), &out);
+    run(t);
+    stats.samples += uint32_t(std::min<size_t>(l.last - l.first, q.max_samples));
+    ++stats.levels;
   }
   out.commit_runs(q.end_token);
   return stats;
@@ -427,7 +468,7 @@ Task<QueryStats> Datastore::query_task(std::span<const token_t> context, Datasto
     const Start st = start(pattern);
     const size_t first = bound_of[size_t(base)];
     const size_t last = co_await bound(first + need, st.hi, pattern.subspan(st.offset), st.offset, /*upper=*/true);
-    co_await sample(first, last, base, q, 1.0f, out);
+    co_await sample(first, last, base, longest, context, q, 1.0f, out);
     stats.samples += uint32_t(std::min<size_t>(last - first, q.max_samples));
     if (stats.match_len == base) stats.occurrences = last - first;
   }

@@ -190,7 +190,7 @@ void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int bud
   if (budget > 0) {
     const std::span<const token_t> context = trie.tokens();
     if (datastore_tree && qs.match_len > 0) {
-      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, p.datastore.branch_len));
+      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, p.datastore.deepest()));
     }
     if (p.use_input) {
       const int longest = int(std::min<size_t>(context.size(), size_t(p.input_max_match)));

@@ -21,6 +21,7 @@
 // call concurrently from many threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -42,8 +43,29 @@ struct DatastoreQuery {
   int min_match = 1;             ///< shortest context suffix searched, in [1, max_match]
   uint32_t max_samples = 100;    ///< M: continuations sampled per context suffix, >= 1
   uint64_t min_occurrences = 20; ///< back off to shorter suffixes while occurrences < this
-  int branch_len = 16;           ///< longest continuation (tree depth), >= 1
+  int branch_len = 16;           ///< continuation length of short matches (tree depth), >= 1
+  /// Adaptive depth: an occurrence whose context matches m tokens continues
+  /// for clamp(branch_per_match * m, branch_len, max_branch_len) tokens, so
+  /// a long (near-verbatim) match is followed deep and a short one is not.
+  /// 0: every continuation is branch_len long.
+  double branch_per_match = 0;
+  int max_branch_len = 16;       ///< cap of the adaptive length (at least branch_len), <= 255
+  /// Weight of a longer match: the level of a context suffix ell tokens
+  /// above the base level weighs match_boost^ell base samples (1: every
+  /// level counts its occurrences once, the plain backoff sum). Above 1, the
+  /// few occurrences that match far back dominate the tree, as a longest-match
+  /// drafter's would, while short matches still back off.
+  double match_boost = 1;
   int64_t end_token = -1;        ///< drafted where a document ends (e.g. EOS); -1: none
+
+  /// Continuation length for an occurrence matching `match` context tokens.
+  int branch_for(int match) const {
+    if (!(branch_per_match > 0)) return branch_len;
+    const double want = branch_per_match * double(match);
+    return want >= double(deepest()) ? deepest() : std::max(branch_len, int(want));
+  }
+  /// The longest continuation any occurrence gets (the tree's depth).
+  int deepest() const { return branch_per_match > 0 ? std::max(branch_len, max_branch_len) : branch_len; }
 };
 
 /// What a query found.
@@ -158,10 +180,14 @@ class Datastore {
   // separator, the stream's end or branch_len tokens) into `out`.
   void stage_continuation(size_t start, int branch_len, float weight, ContinuationTree& out) const;
   // Stages (as one sorted run of `out`, each path weighing `weight`) up to
-  // q.max_samples continuations of the range [first, last) of a suffix of
-  // length `len`, at regular intervals.
-  Task<bool> sample(size_t first, size_t last, int len, DatastoreQuery q, float weight,
-                    ContinuationTree* out) const;
+  // q.max_samples continuations of the range [first, last) of the context's
+  // suffix of length `len`, at regular intervals; each continues for
+  // q.branch_for(how far back, up to `longest`, the context matches there).
+  Task<bool> sample(size_t first, size_t last, int len, int longest, std::span<const token_t> context,
+                    DatastoreQuery q, float weight, ContinuationTree* out) const;
+  // How many context tokens, from `len` up to `longest`, match backwards
+  // from the occurrence of the context's len-suffix at text position `pos`.
+  int match_at(size_t pos, int len, int longest, std::span<const token_t> context) const;
   // Stages the continuations of every occurrence in [first, last) of the
   // context's suffix of length len, each weighing the number of context
   // suffixes of length in [len, longest] that occur there.
