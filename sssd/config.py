@@ -166,7 +166,14 @@ class DrafterConfig:
         max_samples: M, continuations sampled per suffix length (paper: 100).
         min_occurrences: back off to shorter suffixes while the occurrences of
             the suffixes used so far are below this.
-        datastore_branch_len: longest datastore continuation (tree depth).
+        datastore_branch_len: datastore continuation length for short matches (tree depth).
+        datastore_branch_per_match: adaptive depth: an occurrence whose context
+            matches m tokens continues for m times this many tokens, between
+            datastore_branch_len and datastore_max_branch_len (0: off).
+        datastore_max_branch_len: the longest adaptive continuation.
+        match_boost: weight of longer matches in the datastore's backoff sum
+            (each level above the base weighs this much more than the one
+            below; 1: the plain sum of the levels' occurrences).
         input_max_match: P, longest context suffix matched in the input (paper: 4).
         input_branch_len: longest input continuation.
         use_datastore / use_input: enable each source.
@@ -185,6 +192,9 @@ class DrafterConfig:
     max_samples: int = 100
     min_occurrences: int = 20
     datastore_branch_len: int = 16
+    datastore_branch_per_match: float = 4.0
+    datastore_max_branch_len: int = 64
+    match_boost: float = 1.0
     input_max_match: int = 4
     input_branch_len: int = 16
     use_datastore: bool = True
@@ -223,6 +233,9 @@ class DrafterConfig:
         q.max_samples = self.max_samples
         q.min_occurrences = self.min_occurrences
         q.branch_len = self.datastore_branch_len
+        q.branch_per_match = float(self.datastore_branch_per_match)
+        q.max_branch_len = self.datastore_max_branch_len
+        q.match_boost = float(self.match_boost)
         q.end_token = -1 if self.end_token is None else self.end_token
         p = _core.DrafterParams()
         p.datastore = q
@@ -233,7 +246,7 @@ class DrafterConfig:
         p.input_max_nodes = self.input_max_nodes
         p.vocab_size = self.vocab_size or vocab_size or 0
         max_match = max(self.datastore_max_match, self.input_max_match)
-        max_depth = max(self.datastore_branch_len, self.input_branch_len)
+        max_depth = max(q.deepest(), self.input_branch_len)
         p.scores = self.discounts.score_table(max_match, max_depth, external)
         _core.Drafter(None, p, 1)  # validates every field, raising ValueError
         return p
