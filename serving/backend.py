@@ -5,11 +5,12 @@ accepted-path compaction. The scheduler (engine.py) decides which request
 sits in which slot and what each step feeds; the backend runs it:
 
 * ``prefill(rows, batch)`` writes prompt chunks into slots;
-* ``launch(rows, batch, outputs)`` starts one forward pass over packed draft
-  trees (tree_batch.TreeBatch), ``collect(handle)`` returns what the
-  acceptance needs: the argmax at every node of the greedy rows and the
-  logits of the sampled rows' nodes (never float32 logits of every node when
-  greedy needs only the argmax);
+* ``launch(rows, batch, greedy, topk=0)`` starts one forward pass over
+  packed draft trees (tree_batch.TreeBatch), ``collect(handle)`` returns
+  what the acceptance needs: the argmax at every node of the greedy rows and
+  the logits of the sampled rows' nodes (never float32 logits of every node
+  when greedy needs only the argmax); with ``topk`` > 0, also the target's
+  top-k next tokens at every node (for draft sources that observe them);
 * ``compact(slots, src, dst)`` moves every accepted path's K/V into place in
   one operation; ``swap(a, b, length)`` exchanges two slots;
 * ``profile()`` is the measured (or modelled) forward cost that the budget
@@ -52,11 +53,14 @@ class NodeOutputs:
         logits: the sampled rows' node logits [N_s, V] (float32, processed as the model
             defines: soft-capped where it soft-caps), or None when no row samples.
         logit_index: [B, T] row of `logits` holding each sampled node (-1 elsewhere).
+        topk: [B, T, k] the target's k likeliest next tokens at every node, likeliest
+            first (-1 at padding), when launch was asked for them; else None.
     """
 
     argmax: np.ndarray
     logits: Any = None
     logit_index: np.ndarray | None = None
+    topk: np.ndarray | None = None
 
 
 class VerifierBackend(abc.ABC):
@@ -71,8 +75,11 @@ class VerifierBackend(abc.ABC):
         """Writes prompt chunks (chains, tree_batch.pack_chain) into slots `rows`."""
 
     @abc.abstractmethod
-    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray) -> Any:
-        """Starts one forward pass over slots `rows` (greedy: [B] bool per row); returns a handle."""
+    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0) -> Any:
+        """Starts one forward pass over slots `rows` (greedy: [B] bool per row); returns a handle.
+        With `topk` > 0 its NodeOutputs also hold the top-k next tokens at every node (the
+        engine asks only when a draft source observes them: a backend without them may
+        refuse)."""
 
     @abc.abstractmethod
     def collect(self, handle: Any) -> NodeOutputs:

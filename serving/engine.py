@@ -461,6 +461,9 @@ class LLMEngine:
     def launch(self, plan: StepPlan) -> Any:
         """Starts the forward pass over the plan's trees."""
         plan.launched = time.perf_counter()
+        topk = self.drafting.observe_topk if self.drafting is not None else 0
+        if topk:  # a source observes the target's top-k next tokens (asked for only then)
+            return self.backend.launch(slice(0, len(plan.requests)), plan.batch, plan.greedy, topk=topk)
         return self.backend.launch(slice(0, len(plan.requests)), plan.batch, plan.greedy)
 
     def finish(self, plan: StepPlan, handle: Any) -> None:
@@ -539,6 +542,8 @@ class LLMEngine:
         n_emitted = sum(len(v) for v in emitted.values())
         self.metrics.decode_step(B, int(batch.sizes.sum()), plan.budget, plan.draft_seconds, t_forward, n_emitted,
                                  accepted)
+        if self.drafting is not None and out.topk is not None:
+            self._observe(reqs, batch, out.topk, errors)
         if self.drafting is not None:
             live = [(rid, toks) for rid, toks in emitted.items()
                     if toks and not self.requests[rid].finished and self.requests[rid].draft]
@@ -550,6 +555,16 @@ class LLMEngine:
                     for rid, _ in live:
                         self._open_draft(self.requests[rid])
         self.planner.observe(B, plan.budget, time.perf_counter() - plan.started, n_emitted)
+
+    def _observe(self, reqs: list[Request], batch: TreeBatch, topk: np.ndarray, errors: dict[int, str]) -> None:
+        """Shows the observing draft sources every node verified this step (rows that failed aside)."""
+        seen = batch.valid & (topk[:, :, 0] >= 0)
+        for b in errors:
+            seen[b] = False
+        b, i = np.nonzero(seen)
+        if b.size:
+            ids = np.fromiter((r.id for r in reqs), dtype=np.int64, count=len(reqs))
+            self.drafting.observe_verified(ids[b], batch.tokens[b, i], topk[b, i])
 
     def _draft(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None]:
         """The merged drafts of the batch, and which rows may use theirs. A drafting failure,

@@ -11,7 +11,9 @@ AttentionInterface works (Llama, Qwen2, Gemma3 are tested).
 
 After the pass, greedy rows need only the argmax at each node: it is taken
 chunk by chunk through the output embedding, so the float32 logits of every
-node never exist at once. Only sampled rows' nodes get full logits.
+node never exist at once. Only sampled rows' nodes get full logits. When a
+draft source observes the target's top-k next tokens, they come from the
+same logits (the same chunks for greedy rows).
 """
 
 from __future__ import annotations
@@ -130,21 +132,30 @@ class TorchBackend(VerifierBackend):
         self._forward(rows, batch)
 
     @torch.inference_mode()
-    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray) -> NodeOutputs:
+    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0) -> NodeOutputs:
         hidden = self._forward(rows, batch)
         B, T = batch.shape
+        k = min(int(topk), self.info.vocab_size)
         argmax = np.full((B, T), -1, dtype=np.int64)
+        top = np.full((B, T, k), -1, dtype=np.int64) if k > 0 else None
         g = batch.valid & np.asarray(greedy, dtype=bool)[:, None]
         if g.any():
             b, i = np.nonzero(g)
-            argmax[b, i] = self.argmax(hidden[torch.from_numpy(b), torch.from_numpy(i)])
+            h = hidden[torch.from_numpy(b), torch.from_numpy(i)]
+            if top is None:
+                argmax[b, i] = self.argmax(h)
+            else:
+                argmax[b, i], top[b, i] = self.argmax_topk(h, k)
         s = batch.valid & ~np.asarray(greedy, dtype=bool)[:, None]
         if not s.any():
-            return NodeOutputs(argmax)
+            return NodeOutputs(argmax, topk=top)
         b, i = np.nonzero(s)
         index = np.full((B, T), -1, dtype=np.int64)
         index[b, i] = np.arange(b.shape[0])
-        return NodeOutputs(argmax, self.logits(hidden[torch.from_numpy(b), torch.from_numpy(i)]), index)
+        logits = self.logits(hidden[torch.from_numpy(b), torch.from_numpy(i)])
+        if top is not None:
+            top[b, i] = logits.topk(k, dim=-1).indices.cpu().numpy()
+        return NodeOutputs(argmax, logits, index, top)
 
     def collect(self, handle: NodeOutputs) -> NodeOutputs:
         return handle  # the CPU pass ran in launch
@@ -159,6 +170,20 @@ class TorchBackend(VerifierBackend):
         for start in range(0, n, chunk):
             out[start : start + chunk] = self._head(hidden[start : start + chunk]).argmax(dim=-1)
         return out.cpu().numpy()
+
+    @torch.inference_mode()
+    def argmax_topk(self, hidden: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The argmax [N] (as `argmax` takes it) and the k likeliest next tokens [N, k], likeliest
+        first, for hidden states [N, hidden], chunk by chunk from the same logits."""
+        n = hidden.shape[0]
+        chunk = max(16, ARGMAX_CHUNK_BYTES // (4 * self.info.vocab_size))
+        best = torch.empty(n, dtype=torch.int64, device=hidden.device)
+        top = torch.empty((n, k), dtype=torch.int64, device=hidden.device)
+        for start in range(0, n, chunk):
+            logits = self._head(hidden[start : start + chunk])
+            best[start : start + chunk] = logits.argmax(dim=-1)
+            top[start : start + chunk] = logits.topk(k, dim=-1).indices
+        return best.cpu().numpy(), top.cpu().numpy()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

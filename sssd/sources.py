@@ -111,18 +111,23 @@ class DraftSource(abc.ABC):
     """Something that proposes draft candidates for a batch of requests.
 
     Subclasses implement `propose`; `open`, `extend` and `close` let a
-    stateful source follow each request (the default ignores them). A source
-    that raises, or returns malformed candidates, costs only that step's
-    drafts of the requests concerned: the engine logs it and decodes them
-    plainly.
+    stateful source follow each request (the default ignores them), and a
+    source with `observe_topk` > 0 also sees what the target predicted at
+    every node it verified (`observe_verified`). A source that raises, or
+    returns malformed candidates, costs only that step's drafts of the
+    requests concerned: the engine logs it and decodes them plainly.
 
     Attributes:
         name: reported in per-source acceptance metrics.
         discount: the source's weight in the merge (scale, depth decay).
+        observe_topk: how many of the target's likeliest next tokens per
+            verified node the source observes (0: none; the backend then
+            computes none for it).
     """
 
     name: str = "custom"
     discount: SourceDiscount = SourceDiscount()
+    observe_topk: int = 0
 
     def open(self, request_id: int, prompt: np.ndarray) -> None:
         """A request starts, with its prompt."""
@@ -132,6 +137,11 @@ class DraftSource(abc.ABC):
 
     def close(self, request_id: int) -> None:
         """A request ended."""
+
+    def observe_verified(self, request_ids: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> None:
+        """After a decode step, every node the target verified (roots included), whether or not
+        it was accepted: its request id [N], its token [N], and the target's `observe_topk`
+        likeliest next tokens after it, likeliest first [N, observe_topk]."""
 
     @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> Sequence[Candidates | None]:
@@ -233,6 +243,8 @@ class DraftPipeline:
         names = {0: "datastore", 1: "input"}
         names.update({2 + i: s.name for i, s in enumerate(self.external)})
         self.source_names = names
+        #: the target's top-k next tokens per verified node that the sources observe (0: none)
+        self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
         self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
 
     def __bool__(self) -> bool:
@@ -262,6 +274,16 @@ class DraftPipeline:
         for i, s in enumerate(self.external):
             self._call(i, s.close, request_id)
             self._failed.discard((i, request_id))
+
+    def observe_verified(self, request_ids: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> None:
+        """Hands every observing source the step's verified nodes (its own top-k columns of `topk`);
+        a source that fails is logged and the others go on."""
+        for s in self.external:
+            if s.observe_topk > 0:
+                try:
+                    s.observe_verified(request_ids, tokens, topk[:, : s.observe_topk])
+                except Exception as e:  # noqa: BLE001 - observing is an optimisation
+                    log.warning("draft source %r failed to observe a step (%s)", s.name, e)
 
     def _call(self, i: int, fn, request_id: int, *args) -> None:
         try:
