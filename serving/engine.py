@@ -203,8 +203,18 @@ class LLMEngine:
                 if kind == "retrieval":
                     out.append(RetrievalSource(datastore, self.drafter_config))
                     continue
+                if kind == "recycle":
+                    from sssd.token_recycling import DEFAULT_K, TokenRecycling
+
+                    out.append(TokenRecycling(int(arg) if arg else DEFAULT_K, vocab_size=self.backend.info.vocab_size))
+                    continue
+                if kind == "recent":
+                    from sssd.recent_outputs import RecentOutputs
+
+                    out.append(RecentOutputs())
+                    continue
                 raise ValueError(f"the draft source '{kind}:{arg}' is not available in this version of sssd "
-                                 f"(available: retrieval, or your own sssd.DraftSource)")
+                                 f"(available: retrieval, recycle, recent, or your own sssd.DraftSource)")
             out.append(spec)
         return out
 

@@ -28,7 +28,9 @@ from sssd.config import (
 from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
+from sssd.recent_outputs import RecentOutputs
 from sssd.sources import Candidates, DraftRequest, DraftSource, RetrievalSource
+from sssd.token_recycling import TokenRecycling
 from sssd.tree import DraftBatch, DraftTree, ancestor_mask
 
 try:
@@ -64,7 +66,9 @@ __all__ = [
     "Candidates",
     "DraftRequest",
     "DraftSource",
+    "RecentOutputs",
     "RetrievalSource",
+    "TokenRecycling",
     "DEFAULT",
     "SEPARATOR",
     "SOURCE_DATASTORE",

@@ -19,7 +19,10 @@ takes a list of sources or spec strings::
 
 The spec grammar is fixed; later kinds plug into it: `retrieval`,
 `model:<name or folder>` (a draft model), `self:streamingllm` and
-`self:snapkv` (the target over a sparse view of its own KV cache).
+`self:snapkv` (the target over a sparse view of its own KV cache),
+`recycle[:<k>]` (Token Recycling: the target's own top-k predictions,
+sssd.token_recycling) and `recent` (other requests' recent outputs,
+sssd.recent_outputs).
 
 This module never imports torch or the engine.
 """
@@ -46,6 +49,8 @@ SPEC_KINDS = {
     "model:<name or folder>": "a small causal LM drafting for the target",
     "self:streamingllm": "the target over a StreamingLLM view of its own KV cache",
     "self:snapkv": "the target over a SnapKV view of its own KV cache",
+    "recycle[:<k>]": "Token Recycling: the target's own top-k next tokens at every verified node",
+    "recent": "the recent outputs of the other requests",
 }
 
 
@@ -186,7 +191,11 @@ def parse_spec(spec: str | DraftSource | RetrievalSource) -> DraftSource | Retri
         return ("model", arg)
     if kind == "self" and arg in ("streamingllm", "snapkv"):
         return ("self", arg)
-    if kind in ("model", "self", "retrieval"):
+    if kind == "recycle" and (not arg or arg.isdigit() and int(arg) >= 1):
+        return ("recycle", arg)
+    if kind == "recent" and not arg:
+        return ("recent", "")
+    if kind in ("model", "self", "retrieval", "recycle", "recent"):
         raise ValueError(f"malformed draft source {spec!r}; the kinds are: {known}")
     raise ValueError(f"unknown draft source {spec!r}; the kinds are: {known}")
 
