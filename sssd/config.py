@@ -50,6 +50,12 @@ class SourceDiscount:
         shortfall = max(0, self.full_match - match_len)
         return self.scale * self.depth_decay ** (depth - 1) * self.match_damping**shortfall
 
+    def factors(self, max_match: int, max_depth: int) -> np.ndarray:
+        """factor(m, d) for every match length 0..max_match (rows) and depth 1..max_depth (columns)."""
+        shortfall = np.maximum(0, self.full_match - np.arange(max_match + 1, dtype=np.float64))
+        return self.scale * np.outer(self.match_damping**shortfall,
+                                     self.depth_decay ** np.arange(max_depth, dtype=np.float64))
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -118,9 +124,7 @@ class DiscountParams:
             if cal is not None and s < 2:
                 factors[s, :, 1:] = 1.0  # curves replace the retrieval sources' discounts
                 continue
-            for m in range(max_match + 1):
-                for d in range(1, max_depth + 1):
-                    factors[s, m, d] = disc.factor(m, d)
+            factors[s, :, 1:] = disc.factors(max_match, max_depth)
         if cal is None:
             return _core.ScoreTable(max_match, max_depth, factors.ravel(), num_sources=n)
         if external is None:

@@ -273,15 +273,21 @@ def draft(prefix: Any, budget: int | None = None, *, datastore: Datastore | str 
     Returns:
         A DraftTree (flat numpy arrays: tokens, parents, depths, scores, sources).
     """
-    cfg = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
-    key = (str(datastore) if isinstance(datastore, Path) else datastore, cfg)
+    # Keyed by the arguments, so that a call builds no DrafterConfig (it validates itself).
+    try:
+        key = (str(datastore) if isinstance(datastore, Path) else datastore, config, tuple(sorted(overrides.items())))
+        hash(key)
+    except TypeError:  # an unhashable override value: no caching by it
+        key = None
     with _cache_lock:
-        drafter = _cached.get(key)
+        drafter = _cached.get(key) if key is not None else None
         if drafter is None:
+            cfg = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
             drafter = Drafter(datastore, cfg)
-            if len(_cached) >= 8:
-                _cached.pop(next(iter(_cached)))
-            _cached[key] = drafter
+            if key is not None:
+                if len(_cached) >= 8:
+                    _cached.pop(next(iter(_cached)))
+                _cached[key] = drafter
     if not isinstance(prefix, str):
         tok = _tokenizer_of(drafter, tokenizer) if tokenizer is not None else None
         tree = drafter.draft_prefix(prefix, budget)

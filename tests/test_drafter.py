@@ -39,6 +39,21 @@ def test_batch_draft_equals_single_drafts(store):
         np.testing.assert_array_equal(tree.scores, one.scores)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), vocab=st.sampled_from([2, 5, 30]),
+       max_match=st.integers(1, 8), branch=st.integers(1, 24), budget=st.sampled_from([1, 7, 32, 100]))
+def test_one_shot_drafts_equal_a_request_tries_drafts(store, seed, n, vocab, max_match, branch, budget):
+    """draft_prefix builds the input source by one scan of the context instead of a request
+    trie: the trees must be the trie's, for repetitive and varied contexts alike."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, n)
+    d = sssd.Drafter(store, input_max_match=max_match, input_branch_len=branch)
+    d.open(0, prompt)
+    want, got = d.draft([0], budget)[0], d.draft_prefix(prompt, budget)
+    for name in ("tokens", "parents", "scores", "sources", "match_lens"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
 def test_a_per_call_config_drafts_as_a_drafter_built_with_it(store):
     """draft(config=...) (the calibration entry of a step's budget) gives the trees a drafter
     made with that config gives; a config deeper than the request tries is refused."""

@@ -1,5 +1,6 @@
 #include "sssd/drafter.h"
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -319,16 +320,95 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
   capture.rethrow();
 }
 
+// The input source's trees for a context that has no request trie: the same
+// trees continuations(len) of a RequestTrie of depth `depth` over `context`
+// would give, from one scan. Every occurrence of the context's last token
+// (but the final one) is matched backwards to find for which suffix lengths
+// it counts; its continuation, sorted once, is staged into the tree of each
+// of them (the order of the longest cut holds for every shorter cut).
+static void input_trees(std::span<const token_t> context, int longest, int depth, int branch_len,
+                        std::vector<ContinuationTree>& trees, std::vector<SourceTree>& out) {
+  const size_t n = context.size();
+  if (n < 2 || longest < 1) return;
+  const token_t last = context[n - 1];
+  struct Occurrence {
+    uint32_t start;  // of the continuation
+    int match;       // context tokens matched backwards (1..longest)
+  };
+  std::vector<Occurrence> occ;
+  for (size_t j = 0; j + 1 < n; ++j) {
+    if (context[j] != last) continue;
+    int m = 1;
+    while (m < longest && j >= size_t(m) && context[j - size_t(m)] == context[n - 1 - size_t(m)]) ++m;
+    occ.push_back({uint32_t(j + 1), m});
+  }
+  if (occ.empty()) return;
+  const size_t cut = size_t(depth - 1);
+  auto path = [&](const Occurrence& o, size_t len) {
+    return context.subspan(o.start, std::min(len, n - o.start));
+  };
+  std::sort(occ.begin(), occ.end(), [&](const Occurrence& a, const Occurrence& b) {
+    const auto x = path(a, cut), y = path(b, cut);
+    return std::lexicographical_compare(x.begin(), x.end(), y.begin(), y.end());
+  });
+  if (trees.size() < size_t(longest)) trees.resize(size_t(longest));
+  for (int len = longest; len >= 1; --len) {
+    ContinuationTree& t = trees[size_t(len - 1)];
+    t.clear();
+    const size_t keep = size_t(depth - len);
+    bool any = false;
+    for (const Occurrence& o : occ) {
+      if (o.match < len) continue;
+      const auto p = path(o, keep);
+      t.stage(p, p.size() < keep ? ContinuationTree::End::kStream : ContinuationTree::End::kLength);
+      any = true;
+    }
+    if (!any) continue;
+    t.commit_runs(-1);
+    out.push_back(t.view(Source::kInput, len, std::min(depth - len, branch_len)));
+  }
+}
+
 DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) const {
   SSSD_CHECK_ARG(budget >= 0 && budget <= kMaxBudget, "budget = ", budget, " is outside [0, ",
                  kMaxBudget, "]");
   check_tokens(context, "prefix");
-  const auto trie = make_trie();
-  trie->extend(context);
-  Scratch scratch;
+  for (const token_t t : context) {
+    SSSD_CHECK_ARG(t != kSeparator, "token id ", t, " is reserved as the document separator");
+  }
+  const DrafterParams& p = params_;
+  const int depth = p.input_max_match + p.input_branch_len;  // a request trie's depth
   DraftTree out;
-  const RequestTrie* tries[1] = {trie.get()};
-  draft_group(params_, tries, &budget, nullptr, 0, 1, scratch, &out);
+  if (p.use_input && context.size() * size_t(depth) > p.input_max_nodes) {
+    // A context this long would fill a request trie past its cap, which
+    // changes the input source's counts: draft through a real trie.
+    const auto trie = make_trie();
+    trie->extend(context);
+    Scratch scratch;
+    const RequestTrie* tries[1] = {trie.get()};
+    draft_group(p, tries, &budget, nullptr, 0, 1, scratch, &out);
+    return out;
+  }
+  // One call's buffers, reused by the thread's next call.
+  thread_local std::unique_ptr<Scratch> scratch;
+  thread_local std::vector<ContinuationTree> inputs;
+  if (!scratch) scratch = std::make_unique<Scratch>();
+  Scratch& s = *scratch;
+  s.trees.clear();
+  if (budget > 0) {
+    if (p.use_datastore && datastore_) {
+      auto task = datastore_->query_task(context, p.datastore, &s.datastore_trees[0]);
+      const QueryStats qs = run(task);
+      if (qs.match_len > 0) {
+        s.trees.push_back(s.datastore_trees[0].view(Source::kDatastore, qs.match_len, p.datastore.deepest()));
+      }
+    }
+    if (p.use_input) {
+      input_trees(context, int(std::min<size_t>(context.size(), size_t(p.input_max_match))), depth,
+                  p.input_branch_len, inputs, s.trees);
+    }
+  }
+  s.merger.merge(s.trees, p.scores, budget, out);
   return out;
 }
 
