@@ -255,6 +255,8 @@ class DraftPipeline:
         #: the target's top-k next tokens per verified node that the sources observe (0: none)
         self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
         self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
+        self.config = cfg  # what a source added later drafts with (sssd.datastore_source)
+        self._discounts = discounts  # the external discounts the merge's score table holds
 
     def __bool__(self) -> bool:
         return self.retrieval or bool(self.external)
@@ -283,6 +285,83 @@ class DraftPipeline:
         for i, s in enumerate(self.external):
             self._call(i, s.close, request_id)
             self._failed.discard((i, request_id))
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the merge's sources: retrieval's (datastore, input), then the others in order."""
+        return list(self.source_names.values())
+
+    def add_source(self, source: DraftSource) -> None:
+        """Adds a source while requests run: it is opened for every open request with its tokens
+        so far, and the merge's score table learns its discount.
+
+        Not safe beside a running step: call it between steps (the engine's lock).
+
+        Raises:
+            TypeError: not a DraftSource. ValueError: its name is taken, or the pipeline
+            already merges MAX_EXTERNAL sources besides retrieval.
+        """
+        if not isinstance(source, DraftSource):
+            raise TypeError(f"a draft source is a DraftSource, got {type(source).__name__}")
+        if source.name in self.source_names.values() or source.name == "retrieval":
+            raise ValueError(f"a draft source named {source.name!r} is already merged")
+        if len(self.external) >= MAX_EXTERNAL:
+            raise ValueError(f"at most {MAX_EXTERNAL} draft sources besides retrieval")
+        self._fit_merge(self.external + [source])  # first: if it fails, nothing changed
+        i = len(self.external)
+        self.external.append(source)
+        for rid in self.drafter.request_ids():
+            self._call(i, source.open, rid, self.drafter.context(rid).astype(np.int64))
+        self._sources_changed()
+
+    def remove_source(self, name: str) -> DraftSource:
+        """Removes the source named `name` (closing its requests) and returns it. Between steps only.
+
+        Raises:
+            KeyError: no source of that name. ValueError: retrieval's own sources cannot be removed.
+        """
+        i = next((k for k, s in enumerate(self.external) if s.name == name), None)
+        if i is None:
+            if name in ("datastore", "input", "retrieval"):
+                raise ValueError(f"{name!r} is retrieval's own source (the primary datastore and the requests' "
+                                 f"tokens); it cannot be removed")
+            raise KeyError(name)
+        for rid in self.drafter.request_ids():
+            if (i, rid) not in self._failed:
+                self._call(i, self.external[i].close, rid)
+        source = self.external.pop(i)
+        self._failed = {(j - (j > i), rid) for j, rid in self._failed if j != i}
+        try:
+            self._fit_merge(self.external)
+        except Exception as e:  # noqa: BLE001 - removing succeeded; only the ranking of later sources suffers
+            log.warning("the merge keeps its old discounts after removing %r (%s)", name, e)
+        self._sources_changed()
+        return source
+
+    def _sources_changed(self) -> None:
+        self.source_names = {0: "datastore", 1: "input", **{2 + i: s.name for i, s in enumerate(self.external)}}
+        self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
+
+    def _fit_merge(self, sources: Sequence[DraftSource]) -> None:
+        """Makes the merge's score table hold `sources`' discounts (tag 2 + i: sources[i]'s).
+
+        The table is fixed when a drafter is made, so unless the present one already fits
+        (tags past its end use its last entry), a new drafter takes over, with every open
+        request reopened from its tokens so far. Raises, changing nothing, if that fails.
+        """
+        from sssd.drafter import Drafter
+
+        new = tuple(s.discount for s in sources)
+        old = self._discounts
+        cfg = self.drafter.config
+        if not old and cfg.discounts.calibration is None:
+            old = (cfg.discounts.external,)  # what a drafter made without external discounts holds
+        if not new or (old and all(old[min(i, len(old) - 1)] == d for i, d in enumerate(new))):
+            return
+        drafter = Drafter(self.datastore, cfg, external_sources=new)
+        for rid in self.drafter.request_ids():
+            drafter.open(rid, self.drafter.context(rid))
+        self.drafter, self._discounts = drafter, new
 
     def observe_verified(self, request_ids: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> None:
         """Hands every observing source the step's verified nodes (its own top-k columns of `topk`);
