@@ -136,7 +136,9 @@ class LLMEngine:
     Args:
         model: a local model folder (or a name from `sssd models list`).
         datastore: retrieval's datastore: a Datastore, a directory, "default", or None
-            (the request's own tokens only).
+            (the request's own tokens only); or a list of them: the first is retrieval's,
+            each further one drafts as a source of its own (sssd.datastore_source), and
+            every one is checked against the model's tokenizer and vocabulary.
         drafter: a DrafterConfig, or a path to a config / `sssd calibrate` file.
         config: EngineConfig.
         draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
@@ -168,7 +170,9 @@ class LLMEngine:
         self.drafter_source = str(drafter) if isinstance(drafter, (str, Path)) else None
         self.drafter_config = _drafter_config(drafter)
         self.drafting: DraftPipeline | None = None
-        sources = self._sources(draft if self.config.speculate else [], datastore, path)
+        self.model_path = path
+        datastores = list(datastore) if isinstance(datastore, (list, tuple)) else [datastore]
+        sources = self._sources(draft if self.config.speculate else [], datastores[0] if datastores else None, path)
         if sources:
             eos = min(self.eos_ids) if self.eos_ids else None
             dcfg = self.drafter_config.replace(end_token=self.drafter_config.end_token
@@ -178,6 +182,10 @@ class LLMEngine:
             if ds is not None:
                 _check_datastore(ds, path, info.vocab_size)
                 ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
+            from sssd.datastore_source import add_datastore
+
+            for extra in datastores[1:]:
+                add_datastore(self.drafting, self.check_datastore(extra), default_name=extra)
         from sssd.serving.planner import BudgetPlanner
 
         self.planner = BudgetPlanner.create(self.config, speculate=self.drafting is not None,
@@ -194,6 +202,24 @@ class LLMEngine:
 
     def _profile(self):
         return self.backend.profile(log=_log, force=self.config.reprofile)
+
+    def check_datastore(self, datastore: Any) -> sssd.Datastore:
+        """Opens a datastore (a Datastore, directory, archive or "default"), checks that it speaks the
+        model's tokens and warms its pages, for a draft source of its own (sssd.datastore_source).
+        Reads no engine state that a step changes: it may run beside one (the admin endpoint does).
+
+        Raises:
+            FileNotFoundError, ValueError (sssd.DatastoreError): missing, corrupt, or built with another
+                tokenizer or vocabulary; the message names the datastore.
+        """
+        from sssd.drafter import resolve_datastore
+
+        ds = resolve_datastore(datastore)
+        if ds is None:
+            raise ValueError("no datastore given")
+        _check_datastore(ds, self.model_path, self.backend.info.vocab_size)
+        ds.warm()
+        return ds
 
     def _sources(self, draft, datastore: Any, model_path: Path) -> list:
         out = []

@@ -279,48 +279,31 @@ class DrafterConfig:
         """Reads a config file: a saved DrafterConfig, or a parameter file
         written by ``sssd calibrate`` (then ``budget`` picks the parameters
         calibrated for the largest budget not above it; default: the file's
-        default budget).
+        default budget). A calibration file's fingerprint is not checked here
+        (no datastore or model is known): see ``sssd.calibration_file``.
 
         Raises:
             ValueError: missing, unreadable, not a regular file (a FIFO is refused
-                without being opened for reading), larger than 64 MiB, or malformed;
-                or a calibration file from a newer format version.
+                without being opened for reading), larger than 64 MiB, not JSON
+                (truncated), another kind of file, or malformed; or a calibration
+                file of another format version.
         """
-        from sssd.files import MAX_JSON_SIDE_FILE, read_bytes
+        from sssd.calibration_file import CalibrationFile, read_json_object
 
-        try:
-            d = json.loads(read_bytes(path, MAX_JSON_SIDE_FILE))
-        except OSError as e:  # NotRegularFileError: "it is a FIFO, not a regular file"
-            raise ValueError(f"{path}: cannot read a drafter config ({e.strerror or e})") from e
-        except (ValueError, RecursionError) as e:  # too large, not UTF-8, not JSON
-            raise ValueError(f"{path}: cannot read a drafter config ({e})") from e
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: a drafter config is a JSON object")
+        d = read_json_object(path, "drafter config")
         if d.get("format") == CALIBRATION_FORMAT:
-            return cls.from_calibration(d, budget, where=str(path))
-        cfg = cls.from_dict(d)
+            return CalibrationFile.from_dict(d, where=str(path)).config(budget)
+        if "format" in d:
+            raise ValueError(f"{path}: a {d['format']!r} file, not a drafter config or `sssd calibrate` file")
+        try:
+            cfg = cls.from_dict(d)
+        except TypeError as e:  # a field of the wrong type
+            raise ValueError(f"{path}: malformed drafter config ({e})") from None
         return cfg if budget is None else cfg.replace(budget=budget)
 
     @classmethod
     def from_calibration(cls, d: dict[str, Any], budget: int | None = None, where: str = "calibration") -> DrafterConfig:
-        """The configuration a calibration parameter file gives for ``budget``."""
-        version = d.get("version")
-        if not isinstance(version, int) or version > CALIBRATION_VERSION:
-            raise ValueError(f"{where}: calibration format version {version!r} is not supported "
-                             f"(this sssd reads up to {CALIBRATION_VERSION})")
-        try:
-            budgets = {int(k): v for k, v in d["budgets"].items()}
-        except (KeyError, AttributeError, ValueError) as e:
-            raise ValueError(f"{where}: malformed calibration file (budgets)") from e
-        if not budgets:
-            raise ValueError(f"{where}: calibration file holds no budgets")
-        if budget is None:
-            budget = int(d.get("default_budget") or max(budgets))
-        key = max((b for b in budgets if b <= budget), default=min(budgets))
-        entry = budgets[key]
-        cfg = cls.from_dict(entry["config"]).replace(budget=budget)
-        if entry.get("calibrated"):
-            if not d.get("calibration"):
-                raise ValueError(f"{where}: budget {key} is marked calibrated but the file holds no curves")
-            cfg = cfg.replace(discounts=dataclasses.replace(cfg.discounts, calibration=Calibration.from_dict(d["calibration"])))
-        return cfg
+        """The configuration a calibration parameter file gives for ``budget`` (ValueError if malformed)."""
+        from sssd.calibration_file import CalibrationFile
+
+        return CalibrationFile.from_dict(d, where=where).config(budget)

@@ -21,9 +21,11 @@ def setup(p: argparse.ArgumentParser):
                    help="model name (`sssd models list`; pulled on first use) or a local Hugging Face model folder")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the model's name)")
-    p.add_argument("--datastore", default="default",
-                   help="datastore directory, 'none' (draft from prompts only), or 'default': the default "
-                        "datastore, built on first use (default: default)")
+    p.add_argument("--datastore", action="append", default=None, metavar="DATASTORE",
+                   help="datastore directory or .sssd.zst archive, 'none' (draft from prompts only), or 'default': "
+                        "the default datastore, built on first use. Repeat it to draft from several: the first is "
+                        "retrieval's, each further one drafts as a source of its own, named by its folder in the "
+                        "metrics (default: default)")
     p.add_argument("--drafter", default="default",
                    help="drafter config or `sssd calibrate` parameter file (default: the packaged calibration "
                         "when serving the default model with the default datastore, else the built-in defaults)")
@@ -109,13 +111,28 @@ def validate(args: argparse.Namespace) -> None:
         from sssd.models import get_spec
 
         get_spec(args.model)  # ValueError listing the registered models
-    if args.datastore not in ("default", "none") and not Path(args.datastore).expanduser().exists():
-        raise FileNotFoundError(f"--datastore {args.datastore}: no such datastore directory")
+    _datastores(args)
     if args.drafter != "default" and not Path(args.drafter).expanduser().is_file():
         raise FileNotFoundError(f"--drafter {args.drafter}: no such file")
     if args.device and not (args.device == "cpu" or args.device.split(":")[0] in ("cuda", "mps", "xpu")):
         raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or xpu, got {args.device!r}")
     _check_bindable(args.host, args.port)
+
+
+def _datastores(args: argparse.Namespace) -> None:
+    """Splits the repeated --datastore into args.datastore (retrieval's, a string as before) and
+    args.extra_datastores (each a draft source of its own), checking that each exists."""
+    given = args.datastore if isinstance(args.datastore, list) else [args.datastore or "default"]
+    given = given or ["default"]
+    for k, d in enumerate(given):
+        if d == "none" and k:
+            raise ValueError("--datastore none can only be the first --datastore (retrieval drafts from the "
+                             "prompts only); leave out the others")
+        if d not in ("default", "none") and not Path(d).expanduser().exists():
+            raise FileNotFoundError(f"--datastore {d}: no such datastore directory")
+        if d in given[:k]:
+            raise ValueError(f"--datastore {d} is given twice")
+    args.datastore, args.extra_datastores = given[0], given[1:]
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -156,7 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     draft = [] if args.no_speculate or args.draft.strip().lower() == "none" else args.draft
     speculate = bool(draft)
     datastore = None if args.datastore == "none" else args.datastore
-    if speculate and datastore == "default" and "retrieval" in args.draft:
+    extra = list(getattr(args, "extra_datastores", ()))
+    if speculate and (datastore == "default" and "retrieval" in args.draft or "default" in extra):
         from sssd.commands.draft import ensure_default_datastore
 
         ensure_default_datastore()
@@ -169,7 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(args.model, datastore=datastore if speculate else None, drafter=drafter, config=config,
+    datastores = [datastore, *extra] if extra else datastore  # the first is retrieval's, the others their own sources
+    engine = LLMEngine(args.model, datastore=datastores if speculate else None, drafter=drafter, config=config,
                        draft=draft)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
     planner = engine.planner

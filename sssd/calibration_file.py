@@ -1,0 +1,434 @@
+"""Calibration parameter files (``sssd calibrate``): every budget's entry, and the
+fingerprint of the datastore, tokenizer and model they were calibrated for.
+
+A file (format "sssd-calibration", version 1) is a JSON object::
+
+    {"format": "sssd-calibration", "version": 1,
+     "default_budget": 32,                       # the entry `DrafterConfig.load` picks by default
+     "budgets": {"4": {"config": {...DrafterConfig...}, "calibrated": true, "mat": 2.04, ...}, ...},
+     "calibration": {...Calibration...},         # curves, used by the entries marked calibrated
+     "fingerprint": {"datastore": "6a225f4f78655b21", "tokenizer": "<sha256>",
+                     "model": "gguf:<sha256>", "model_name": "smollm2-135m-instruct"},
+     ...provenance...}
+
+The fingerprint is optional (files written before it have none; they load with a
+warning that they cannot be checked), and so is each of its fields (a field that is
+null is not checked).
+
+A step drafted with budget b uses the entry of the largest calibrated budget <= b
+(the smallest entry when b is below them all), with budget b; the planner's MAT
+estimates come from the same entries (serving/planner.py).
+
+Errors: reading a file (``CalibrationFile.load``) raises ValueError for anything
+malformed: unreadable, not JSON or truncated, another format or version, entries
+that are not drafter configs. A fingerprint that differs is not an error here:
+``CalibrationFile.check`` lists what differs, and the engine then drafts with the
+uncalibrated defaults (with a warning naming the differences).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from sssd.config import CALIBRATION_FORMAT, CALIBRATION_VERSION, Calibration, DrafterConfig
+
+log = logging.getLogger("sssd.calibration")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a calibration was fitted for. None: not recorded (not checked).
+
+    Attributes:
+        datastore: the datastore's content fingerprint (its manifest's "fingerprint", 16 hex digits).
+        tokenizer: sha256 of the tokenizer (sssd.tokenizer identity; the datastore records it).
+        model: the model's weights identity (``model_fingerprint``).
+        model_name: the model's name (reported, not compared).
+    """
+
+    datastore: str | None = None
+    tokenizer: str | None = None
+    model: str | None = None
+    model_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "calibration") -> Fingerprint:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: malformed calibration file (the fingerprint is a {type(d).__name__})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if k in known and v is not None and not isinstance(v, str):
+                raise ValueError(f"{where}: malformed calibration file (fingerprint {k} is {v!r}, not a string)")
+        return cls(**{k: d.get(k) for k in known})
+
+    @classmethod
+    def of(cls, datastore: Any = None, model: Any = None) -> Fingerprint:
+        """The fingerprint of an opened Datastore (or a datastore path) and a model (folder or registered name)."""
+        ds_fp, tok = datastore_identity(datastore)
+        name, model_fp = model_fingerprint(model) if model is not None else (None, None)
+        if tok is None and model is not None:
+            tok = _model_tokenizer(model)
+        return cls(ds_fp, tok, model_fp, name)
+
+
+@dataclass(frozen=True)
+class CalibrationFile:
+    """A loaded calibration file: every budget's drafter config, and what they were fitted for.
+
+    Attributes:
+        entries: budget -> DrafterConfig (curves attached where the entry is calibrated), budgets increasing.
+        mat: budget -> the replayed mean accepted tokens per step (budgets whose entry records one).
+        default_budget: the budget used when none is asked.
+        fingerprint: what the file was calibrated for; None for files that record none.
+        where: the file's path (for messages).
+    """
+
+    entries: dict[int, DrafterConfig]
+    mat: dict[int, float]
+    default_budget: int
+    fingerprint: Fingerprint | None = None
+    where: str = "calibration"
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibrationFile:
+        """Reads a calibration file.
+
+        Raises:
+            ValueError: missing, unreadable, not a regular file, larger than 64 MiB, not JSON
+                (e.g. truncated), not a calibration file, another format version, or malformed.
+        """
+        d = read_json_object(path, "calibration file")
+        if d.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(f"{path}: not an `sssd calibrate` file (format {d.get('format')!r}, "
+                             f"expected {CALIBRATION_FORMAT!r})")
+        return cls.from_dict(d, where=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "calibration") -> CalibrationFile:
+        """The entries of a parsed calibration file (ValueError: see ``load``)."""
+        version = d.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != CALIBRATION_VERSION:
+            raise ValueError(f"{where}: calibration format version {version!r} is not supported "
+                             f"(this sssd reads version {CALIBRATION_VERSION}; rerun `sssd calibrate`)")
+        raw = d.get("budgets")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: malformed calibration file (budgets is not an object)")
+        if not raw:
+            raise ValueError(f"{where}: calibration file holds no budgets")
+        curves = None
+        if d.get("calibration") is not None:
+            try:
+                curves = Calibration.from_dict(d["calibration"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{where}: malformed calibration file (calibration curves: {e})") from None
+        entries, mat = {}, {}
+        for key, entry in raw.items():
+            b = _budget_key(key, where)
+            entries[b], m = _entry(entry, b, curves, where)
+            if m is not None:
+                mat[b] = m
+        entries = dict(sorted(entries.items()))
+        default = d.get("default_budget")
+        if default in (None, 0):
+            default = max(entries)
+        elif isinstance(default, bool) or not isinstance(default, int) or default < 0:
+            raise ValueError(f"{where}: malformed calibration file (default_budget {default!r})")
+        fp = Fingerprint.from_dict(d["fingerprint"], where) if d.get("fingerprint") is not None else None
+        return cls(entries, mat, default, fp, where)
+
+    # -- choosing an entry ------------------------------------------------------------
+    def entry_budget(self, budget: int) -> int:
+        """The calibrated budget whose entry drafts at `budget`: the largest <= it, else the smallest."""
+        return select_entry(list(self.entries), budget)
+
+    def config(self, budget: int | None = None) -> DrafterConfig:
+        """The drafter config for `budget` (default: the file's default budget), with that budget."""
+        budget = self.default_budget if budget is None else budget
+        return self.entries[self.entry_budget(budget)].replace(budget=budget)
+
+    def map(self, fn: Callable[[DrafterConfig], DrafterConfig]) -> CalibrationFile:
+        """The same file with `fn` applied to every entry's config (e.g. an end token)."""
+        return dataclasses.replace(self, entries={b: fn(c) for b, c in self.entries.items()})
+
+    # -- the fingerprint --------------------------------------------------------------
+    def check(self, datastore: Any, model: Any) -> list[str]:
+        """What differs between the fingerprint and this datastore and model: one phrase per
+        field (empty when everything recorded matches, or when the file records no fingerprint).
+
+        Args:
+            datastore: the Datastore drafting (or a datastore path, "default", or None: none).
+            model: the target model's folder, or a registered model name.
+        """
+        fp = self.fingerprint
+        if fp is None:
+            return []
+        out = []
+        ds_fp, tok = datastore_identity(datastore) if fp.datastore or fp.tokenizer else (None, None)
+        if fp.datastore and ds_fp != fp.datastore:
+            out.append(f"datastore fingerprint {ds_fp or 'none (no datastore)'} (calibrated for {fp.datastore})")
+        if fp.tokenizer:
+            tok = tok or _model_tokenizer(model)
+            if tok != fp.tokenizer:
+                out.append(f"tokenizer sha256 {tok[:12] if tok else 'unknown'} (calibrated for {fp.tokenizer[:12]})")
+        if fp.model:
+            name, model_fp = model_fingerprint(model)
+            if model_fp != fp.model:
+                out.append(f"model {name or model} {_short(model_fp) if model_fp else '(unknown identity)'} "
+                           f"(calibrated for {fp.model_name or 'a model'} {_short(fp.model)})")
+        return out
+
+    def checked_or_defaults(self, datastore: Any, model: Any) -> CalibrationFile | DrafterConfig:
+        """Itself when its fingerprint matches (or it records none: then with a warning that it
+        cannot be checked); the uncalibrated DrafterConfig() with a warning naming what differs otherwise."""
+        if self.fingerprint is None:
+            log.warning("%s records no fingerprint (an older `sssd calibrate` file): it cannot be checked "
+                        "against this datastore and model; using it as is", self.where)
+            return self
+        problems = self.check(datastore, model)
+        if not problems:
+            return self
+        log.warning("%s was calibrated for another setup: %s; drafting with the uncalibrated defaults "
+                    "(run `sssd calibrate` for this datastore and model)", self.where, "; ".join(problems))
+        return DrafterConfig()
+
+
+def select_entry(budgets: list[int], budget: int) -> int:
+    """Of increasing calibrated `budgets`, the one whose entry drafts at `budget`."""
+    i = int(np.searchsorted(budgets, budget, side="right")) - 1
+    return budgets[max(i, 0)]
+
+
+def entries_of(config: DrafterConfig | CalibrationFile) -> dict[int, DrafterConfig]:
+    """Budget -> config of a CalibrationFile, or {0: config} for a single DrafterConfig (every budget)."""
+    if isinstance(config, CalibrationFile):
+        return dict(config.entries)
+    if isinstance(config, DrafterConfig):
+        return {0: config}
+    raise TypeError(f"a drafter config is a DrafterConfig or a CalibrationFile, got {type(config).__name__}")
+
+
+def drafter_config_for(entries: dict[int, DrafterConfig]) -> DrafterConfig:
+    """The config of a Drafter that drafts with every entry (``Drafter.draft(config=...)``): the
+    largest budget's entry, with request tries as deep as the deepest entry's input source."""
+    cfgs = list(entries.values())
+    return cfgs[-1].replace(use_datastore=any(c.use_datastore for c in cfgs), use_input=any(c.use_input for c in cfgs),
+                            input_max_match=max(c.input_max_match for c in cfgs),
+                            input_branch_len=max(c.input_branch_len for c in cfgs),
+                            input_max_nodes=max(c.input_max_nodes for c in cfgs))
+
+
+def draft_with_entries(drafter: Any, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray,
+                       external: Any = None) -> Any:
+    """One DraftBatch for a batch, each request drafted with the entry of its budget (``select_entry``).
+
+    The requests of one entry draft in one call: normally the whole batch (a step runs one
+    budget; budget 0, no draft, goes with any). Several entries cost one call each, the other
+    entries' requests at budget 0, and the trees are put back in request order.
+
+    Args:
+        drafter: an sssd.Drafter built with ``drafter_config_for(entries)``.
+        entries: increasing budget -> DrafterConfig.
+        ids, budgets: [B] request ids and int32 budgets; external: as ``Drafter.draft`` takes it.
+    """
+    keys = list(entries)
+    which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
+    groups = np.unique(which[budgets > 0])
+    if len(groups) <= 1:
+        g = int(groups[0]) if len(groups) else len(keys) - 1
+        return drafter.draft(ids, budgets, external, config=entries[keys[g]])
+    parts = [drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
+             for g in groups]
+    return _merge_batches(parts)
+
+
+def _merge_batches(parts: list) -> Any:
+    """One DraftBatch from batches over the same requests where each request's tree is in one of them."""
+    from sssd.tree import DraftBatch
+
+    n = len(parts[0])
+    sizes = [p.sizes for p in parts]
+    owner = np.concatenate([np.repeat(np.arange(n), s) for s in sizes])
+    order = np.argsort(owner, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.sum(sizes, axis=0))]).astype(np.int64)
+    fields = {}
+    for f in dataclasses.fields(DraftBatch):
+        if f.name != "offsets":
+            values = [getattr(p, f.name) for p in parts]
+            fields[f.name] = None if any(v is None for v in values) else np.concatenate(values)[order]
+    return DraftBatch(offsets=offsets, **fields)
+
+
+def load_drafter(drafter: Any) -> DrafterConfig | CalibrationFile:
+    """What an engine's `drafter` argument names: None -> DrafterConfig(); a DrafterConfig or
+    CalibrationFile as is; a path -> its calibration file (every entry) or saved DrafterConfig.
+
+    Raises:
+        ValueError: the file is unreadable or malformed (see ``CalibrationFile.load``).
+    """
+    if drafter is None:
+        return DrafterConfig()
+    if isinstance(drafter, (DrafterConfig, CalibrationFile)):
+        return drafter
+    if not isinstance(drafter, (str, Path)):
+        raise TypeError(f"drafter must be a DrafterConfig, a CalibrationFile or a path, got {type(drafter).__name__}")
+    d = read_json_object(drafter, "drafter config")
+    if d.get("format") == CALIBRATION_FORMAT:
+        return CalibrationFile.from_dict(d, where=str(drafter))
+    return DrafterConfig.load(drafter)
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON object from a regular file of at most 64 MiB (ValueError saying why not)."""
+    from sssd.files import MAX_JSON_SIDE_FILE, read_bytes
+
+    try:
+        d = json.loads(read_bytes(path, MAX_JSON_SIDE_FILE))
+    except OSError as e:  # NotRegularFileError: "it is a FIFO, not a regular file"
+        raise ValueError(f"{path}: cannot read a {what} ({e.strerror or e})") from e
+    except (ValueError, RecursionError) as e:  # too large, not UTF-8, not JSON (truncated)
+        raise ValueError(f"{path}: cannot read a {what} (not valid JSON, or truncated: {e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a {what} is a JSON object, got a {type(d).__name__}")
+    return d
+
+
+# -- identities ----------------------------------------------------------------------
+
+def datastore_identity(datastore: Any) -> tuple[str | None, str | None]:
+    """(content fingerprint, tokenizer sha256) of a Datastore, a datastore directory or archive,
+    or "default"; (None, None) for None or a datastore that cannot be opened."""
+    from sssd.datastore import DEFAULT, Datastore, DatastoreError, read_manifest
+
+    if datastore is None:
+        return None, None
+    manifest: dict[str, Any] = {}
+    fp = None
+    try:
+        if isinstance(datastore, Datastore):
+            manifest = datastore.manifest
+            fp = manifest.get("fingerprint") or f"{datastore.native.fingerprint:016x}"
+        else:
+            path = Path(datastore).expanduser()
+            if isinstance(datastore, str) and datastore == DEFAULT:
+                from sssd.datastore import built_default_path
+
+                path = built_default_path()
+            if path.is_dir():  # the manifest tells; no need to map the data
+                manifest = read_manifest(path)
+                fp = manifest.get("fingerprint")
+            if fp is None:  # an archive, or a manifest without a fingerprint
+                ds = Datastore.open(path)
+                manifest, fp = ds.manifest, f"{ds.native.fingerprint:016x}"
+    except (OSError, TypeError, DatastoreError):  # TypeError: not a datastore nor a path
+        return None, None
+    tok = (manifest.get("tokenizer") or {}).get("sha256")
+    return fp, tok
+
+
+def model_fingerprint(model: Any) -> tuple[str | None, str | None]:
+    """(name, weights identity) of a model folder or registered model name; (None, None) if unknown.
+
+    A model pulled by ``sssd models pull`` is named by the GGUF file it was converted from
+    ("gguf:<sha256>", from its sssd-model.json, or from the registry before it is pulled): the
+    converted config.json differs from one transformers version to the next, the weights do not.
+    Another folder is named by ``sssd.models.model_identity`` ("sha256:<config.json and weights
+    layout>").
+    """
+    from sssd.files import read_json_dict
+    from sssd.models import get_spec, is_pulled, model_identity, model_path
+
+    folder = Path(str(model)).expanduser()
+    if not (folder / "config.json").is_file():
+        try:
+            spec = get_spec(str(model))
+        except (ValueError, KeyError):
+            return None, None
+        if not is_pulled(spec.name):
+            return spec.name, f"gguf:{spec.sha256}"
+        folder = model_path(spec.name)
+    prov = read_json_dict(folder / "sssd-model.json")
+    name = prov.get("name") if isinstance(prov.get("name"), str) else folder.name
+    if isinstance(prov.get("gguf_sha256"), str):
+        return name, f"gguf:{prov['gguf_sha256']}"
+    try:
+        return name, f"sha256:{model_identity(folder)['sha256']}"
+    except OSError:
+        return name, None
+
+
+def _model_tokenizer(model: Any) -> str | None:
+    """sha256 of the model's tokenizer, or None if it cannot be loaded."""
+    if model is None:
+        return None
+    from sssd.tokenizer import load_tokenizer
+
+    folder = Path(str(model)).expanduser()
+    if not (folder / "config.json").is_file():
+        try:
+            from sssd.models import get_spec, is_pulled, model_path
+
+            spec = get_spec(str(model))
+            if not is_pulled(spec.name):
+                return None
+            folder = model_path(spec.name)
+        except (ValueError, KeyError):
+            return None
+    try:
+        return load_tokenizer(folder).sha256
+    except (ValueError, OSError):
+        return None
+
+
+def _short(identity: str) -> str:
+    kind, _, digest = identity.partition(":")
+    return f"{kind}:{digest[:12]}" if digest else identity[:12]
+
+
+def _budget_key(key: Any, where: str) -> int:
+    from sssd import _core
+
+    try:
+        b = int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: malformed calibration file (budget {key!r} is not an integer)") from None
+    if not 1 <= b <= int(_core.MAX_BUDGET):
+        raise ValueError(f"{where}: malformed calibration file (budget {b} is outside [1, {int(_core.MAX_BUDGET)}])")
+    return b
+
+
+def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> tuple[DrafterConfig, float | None]:
+    """One budget's DrafterConfig (curves attached if calibrated) and its MAT, or ValueError."""
+    bad = f"{where}: malformed calibration file (budget {budget}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        raise ValueError(f"{bad}: an entry is an object with a \"config\" object)")
+    try:
+        cfg = DrafterConfig.from_dict(entry["config"]).replace(budget=budget)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"{bad}: {e})") from None
+    calibrated = entry.get("calibrated", False)
+    if not isinstance(calibrated, bool):
+        raise ValueError(f"{bad}: calibrated is {calibrated!r}, not true or false)")
+    if calibrated:
+        if curves is None:
+            raise ValueError(f"{where}: budget {budget} is marked calibrated but the file holds no curves")
+        cfg = cfg.replace(discounts=dataclasses.replace(cfg.discounts, calibration=curves))
+    mat = entry.get("mat")
+    if mat is not None and (isinstance(mat, bool) or not isinstance(mat, (int, float)) or not math.isfinite(mat)
+                            or mat < 1):
+        raise ValueError(f"{bad}: mat is {mat!r}, not a number >= 1)")
+    return cfg, None if mat is None else float(mat)
+
+
+__all__ = ["CalibrationFile", "Fingerprint", "datastore_identity", "draft_with_entries", "drafter_config_for",
+           "entries_of", "load_drafter", "model_fingerprint", "select_entry"]
