@@ -168,19 +168,27 @@ class LLMEngine:
         self.eos_ids = set(info.eos_token_ids) or ({self.tokenizer.eos_token_id} - {None})
         self.max_model_len = min(self.config.max_model_len, info.max_positions, backend.capacity)
         self.drafter_source = str(drafter) if isinstance(drafter, (str, Path)) else None
-        self.drafter_config = _drafter_config(drafter)
+        #: a DrafterConfig, or a CalibrationFile whose entry for each step's budget drafts that step
+        self.drafter_configs = _drafter_config(drafter)
+        self.drafter_config = _default_config(self.drafter_configs)
         self.drafting: DraftPipeline | None = None
         self.model_path = path
         datastores = list(datastore) if isinstance(datastore, (list, tuple)) else [datastore]
         sources = self._sources(draft if self.config.speculate else [], datastores[0] if datastores else None, path)
         if sources:
             eos = min(self.eos_ids) if self.eos_ids else None
-            dcfg = self.drafter_config.replace(end_token=self.drafter_config.end_token
-                                               if self.drafter_config.end_token is not None else eos)
-            self.drafting = DraftPipeline(sources, dcfg, vocab_size=info.vocab_size)
+            self.drafting = DraftPipeline(sources, _with_end_token(self.drafter_configs, eos),
+                                          vocab_size=info.vocab_size)
             ds = self.drafting.datastore
             if ds is not None:
                 _check_datastore(ds, path, info.vocab_size)
+            checked = _checked(self.drafter_configs, ds, path)
+            if checked is not self.drafter_configs:  # calibrated for another setup (warned): the defaults draft
+                self.drafter_configs = self.drafter_config = checked
+                sources = [RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s
+                           for s in sources]
+                self.drafting = DraftPipeline(sources, _with_end_token(checked, eos), vocab_size=info.vocab_size)
+            if ds is not None:
                 ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
             from sssd.datastore_source import add_datastore
 
@@ -189,7 +197,7 @@ class LLMEngine:
         from sssd.serving.planner import BudgetPlanner
 
         self.planner = BudgetPlanner.create(self.config, speculate=self.drafting is not None,
-                                            drafter_file=self.drafter_source, profile=self._profile)
+                                            calibration=self.drafter_configs, profile=self._profile)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request] = []   # slots[:num_decode] decode, the rest prefill
         self.num_decode = 0
@@ -751,12 +759,32 @@ def _check_datastore(ds: Any, model_path: Path, vocab_size: int) -> None:
                          f"tokenizer; rebuild it with the model's (sssd build -t {model_path})")
 
 
-def _drafter_config(drafter: Any) -> sssd.DrafterConfig:
-    if drafter is None:
-        return sssd.DrafterConfig()
-    if isinstance(drafter, sssd.DrafterConfig):
-        return drafter
-    return sssd.DrafterConfig.load(drafter)
+def _drafter_config(drafter: Any) -> Any:
+    """A DrafterConfig, or a CalibrationFile (every budget's entry); ValueError for a malformed file."""
+    from sssd.calibration_file import load_drafter
+
+    return load_drafter(drafter)
+
+
+def _default_config(configs: Any) -> sssd.DrafterConfig:
+    """The config of a file's default budget (or the one config)."""
+    return configs if isinstance(configs, sssd.DrafterConfig) else configs.config()
+
+
+def _with_end_token(configs: Any, eos: int | None) -> Any:
+    """Every config with the model's end-of-sequence id as its end token, unless it names one."""
+    def fix(c: sssd.DrafterConfig) -> sssd.DrafterConfig:
+        return c if c.end_token is not None else c.replace(end_token=eos)
+
+    return fix(configs) if isinstance(configs, sssd.DrafterConfig) else configs.map(fix)
+
+
+def _checked(configs: Any, datastore: Any, model_path: Path) -> Any:
+    """A calibration file whose fingerprint matches the datastore, tokenizer and model (or that
+    records none: warned, used as is); the uncalibrated defaults, warned, when one differs."""
+    from sssd.calibration_file import CalibrationFile
+
+    return configs.checked_or_defaults(datastore, model_path) if isinstance(configs, CalibrationFile) else configs
 
 
 class EngineMetrics:

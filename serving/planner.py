@@ -34,9 +34,8 @@ the bucket runs the budget with the best estimated tokens per second.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,15 +90,20 @@ class BudgetPlanner:
             raise ValueError("a planning budget planner needs a forward-time profile")
 
     @classmethod
-    def create(cls, config, speculate: bool, drafter_file: str | None,
+    def create(cls, config, speculate: bool, calibration: Any,
                profile: Callable[[], ForwardProfile]) -> BudgetPlanner:
         """The planner an engine runs with: no speculation, a fixed budget, or planned
-        (the profile is asked for only then)."""
+        (the profile is asked for only then).
+
+        Args:
+            calibration: what the engine drafts with (a CalibrationFile: its entries' MAT;
+                a DrafterConfig or None: the built-in estimates).
+        """
         if not speculate or not config.speculate:
             return cls(fixed=0)
         if config.budget is not None:
             return cls(fixed=config.budget)
-        return cls(fixed=None, mat=mat_from_calibration(drafter_file), profile=profile())
+        return cls(fixed=None, mat=mat_from_calibration(calibration), profile=profile())
 
     @property
     def max_budget(self) -> int:
@@ -208,14 +212,20 @@ class _Bucket:
         return max(rates, key=rates.get) if rates else self.prior
 
 
-def mat_from_calibration(path: str | None) -> dict[int, float]:
-    """Per-budget MAT from a `sssd calibrate` file, when the drafter came from one."""
-    if path and Path(path).is_file():
-        try:
-            d = json.loads(Path(path).read_text())
-            if d.get("format") == "sssd-calibration":
-                mats = {int(b): float(e["mat"]) for b, e in d["budgets"].items()}
-                return {b: m for b, m in mats.items() if b > 0} | {0: 1.0}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
+def mat_from_calibration(calibration: Any) -> dict[int, float]:
+    """Per-budget MAT of what the engine drafts with: a CalibrationFile's entries (each
+    budget's replayed MAT; the engine drafts budget b with the entry of the largest
+    calibrated budget <= b, and `interpolate_mat` fills the budgets between), or the
+    built-in estimates for a DrafterConfig, None, or a file whose entries record no MAT.
+
+    Args:
+        calibration: a CalibrationFile, a DrafterConfig, None, or the path of an
+            `sssd calibrate` file (read here: ValueError if it is malformed).
+    """
+    from sssd.calibration_file import CalibrationFile
+
+    if isinstance(calibration, (str, Path)):
+        calibration = CalibrationFile.load(calibration)
+    if isinstance(calibration, CalibrationFile) and calibration.mat.keys() == calibration.entries.keys():
+        return dict(calibration.mat) | {0: 1.0}
     return dict(DEFAULT_MAT)

@@ -225,11 +225,13 @@ class DraftPipeline:
 
     Args:
         sources: RetrievalSource and DraftSource objects (parse_specs resolved).
-        config: the DrafterConfig (retrieval parameters and discounts).
+        config: the DrafterConfig (retrieval parameters and discounts), or a CalibrationFile:
+            each step drafts with the entry of its budget (sssd.calibration_file).
         vocab_size: the target's vocabulary (candidate ids must be below it).
     """
 
     def __init__(self, sources: Sequence[Any], config: Any, vocab_size: int | None = None):
+        from sssd.calibration_file import drafter_config_for, entries_of
         from sssd.drafter import Drafter, resolve_datastore
 
         self.vocab_size = vocab_size
@@ -237,17 +239,23 @@ class DraftPipeline:
         retrieval = [s for s in sources if isinstance(s, RetrievalSource)]
         if len(self.external) > MAX_EXTERNAL:
             raise ValueError(f"at most {MAX_EXTERNAL} draft sources besides retrieval, got {len(self.external)}")
-        cfg = config.replace(vocab_size=vocab_size) if vocab_size else config
+        entries = entries_of(config)  # budget -> config ({0: config} for one config)
+        fix: dict[str, Any] = {"vocab_size": vocab_size} if vocab_size else {}
         discounts = tuple(s.discount for s in self.external)
         if retrieval:
             r = retrieval[0]
-            cfg = cfg.replace(**r.overrides) if r.overrides else cfg
-            ds = resolve_datastore(r.datastore) if cfg.use_datastore else None
+            fix.update(r.overrides)
+            use_ds = any(c.replace(**fix).use_datastore for c in entries.values())
+            ds = resolve_datastore(r.datastore) if use_ds else None
             self.datastore = ds
-            self.drafter = Drafter(ds, cfg.replace(use_datastore=ds is not None), external_sources=discounts)
+            fix = fix if ds is not None else {**fix, "use_datastore": False}
         else:
-            self.datastore = None
-            self.drafter = Drafter(None, cfg.replace(use_datastore=False, use_input=False), external_sources=discounts)
+            self.datastore = ds = None
+            fix.update(use_datastore=False, use_input=False)
+        #: budget -> the config drafting steps of that budget (the largest key <= it; the smallest below all)
+        self.entries = {b: c.replace(**fix) if fix else c for b, c in entries.items()}
+        cfg = drafter_config_for(self.entries)  # (for one config, that config; else tries deep enough for every entry)
+        self.drafter = Drafter(ds, cfg, external_sources=discounts)
         self.retrieval = bool(retrieval)
         names = {0: "datastore", 1: "input"}
         names.update({2 + i: s.name for i, s in enumerate(self.external)})
@@ -384,6 +392,8 @@ class DraftPipeline:
     def draft(self, requests: Sequence[DraftRequest]):
         """One merged DraftBatch for the requests (budgets 0: empty trees); its sources
         name the source of each node through `source_names`."""
+        from sssd.calibration_file import draft_with_entries
+
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         external = None
@@ -410,7 +420,7 @@ class DraftPipeline:
                         log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
                                     s.name, r.request_id, e)
             external = _concat_candidates(per_request)
-        return self.drafter.draft(ids, budgets, external)
+        return draft_with_entries(self.drafter, self.entries, ids, budgets, external)
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
