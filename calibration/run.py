@@ -6,8 +6,10 @@
    isotonic calibration curves (raw source probability -> acceptance).
 3. Replay each budget's best setting with the curves; keep them for the
    budgets where they raise MAT.
-4. Write one parameter file (per-budget settings + curves) that
-   ``sssd.DrafterConfig.load(path, budget)`` reads, and plots beside it.
+4. Write one parameter file (per-budget settings + curves + the fingerprint of
+   the datastore, tokenizer and model; format in sssd/calibration_file.py) that
+   ``sssd.DrafterConfig.load(path, budget)`` reads and the engine uses per step,
+   and plots beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sssd
 from sssd.calibration.fit import apply_calibration, fit_calibration, reliability
 from sssd.calibration.grid import GridAxes, SearchResult, Trial, evaluate, staged_search
 from sssd.calibration.replay import Example, replay
+from sssd.calibration_file import Fingerprint
 from sssd.config import CALIBRATION_FORMAT, CALIBRATION_VERSION, DrafterConfig
 
 
@@ -46,7 +49,8 @@ class CalibrationRun:
         """The configuration the parameter file gives for `budget`."""
         return DrafterConfig.from_calibration(self.to_dict({}), budget)
 
-    def to_dict(self, provenance: dict) -> dict:
+    def to_dict(self, provenance: dict, fingerprint: Fingerprint | None = None) -> dict:
+        """The parameter file's content; `fingerprint`: what it was calibrated for (None: not recorded)."""
         budgets = {}
         for b in self.budgets:
             use_cal = self.calibrated[b].mat > self.best[b].mat
@@ -69,6 +73,7 @@ class CalibrationRun:
             "default_budget": self.default_budget,
             "budgets": budgets,
             "calibration": self.calibration.to_dict(),
+            "fingerprint": fingerprint.to_dict() if fingerprint else None,
             **provenance,
             "grid": [t.row() for t in self.search.trials],
             "seconds": round(self.seconds, 1),
@@ -114,14 +119,14 @@ def calibrate(examples: Sequence[Example], datastore: sssd.Datastore, budgets: S
                           {t.budget: t for t in baseline}, cal, before, after, time.perf_counter() - t0)
 
 
-def save(run: CalibrationRun, path: Path, provenance: dict) -> list[Path]:
-    """Writes the parameter file and its plots; returns the paths written."""
+def save(run: CalibrationRun, path: Path, provenance: dict, fingerprint: Fingerprint | None = None) -> list[Path]:
+    """Writes the parameter file (with `fingerprint`) and its plots; returns the paths written."""
     from sssd.calibration.plots import mat_vs_budget_plot, reliability_plot
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(run.to_dict(provenance), indent=1) + "\n")
+    tmp.write_text(json.dumps(run.to_dict(provenance, fingerprint), indent=1) + "\n")
     tmp.replace(path)
     stem = path.with_suffix("")
     rel = reliability_plot(run.reliability_before, run.reliability_after, stem.with_name(stem.name + ".reliability.png"),

@@ -27,9 +27,10 @@ class LLM:
     Args:
         model: a model name from `sssd models list` or a local Hugging Face model folder.
         datastore: a Datastore, a directory, "default", or None (draft from the prompt only).
-        drafter: a DrafterConfig or a config / `sssd calibrate` parameter file (default: the
-            packaged calibration for the default model with the default datastore, else the
-            built-in defaults).
+        drafter: a DrafterConfig, a CalibrationFile, or a config / `sssd calibrate` parameter
+            file (ValueError if malformed; one calibrated for another datastore, tokenizer or
+            model is replaced by the built-in defaults, with a warning). Default: the packaged
+            calibration when its fingerprint matches the model and datastore, else the defaults.
         draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
             sssd.DraftSource objects; [] decodes plainly with the same engine.
         speculate: False is draft=[].
@@ -43,7 +44,7 @@ class LLM:
         if drafter is None:
             from sssd.paths import packaged_calibration
 
-            drafter = packaged_calibration(model, datastore)
+            drafter = packaged_calibration(model, datastore)  # None unless its fingerprint matches
         draft = draft if speculate else []
         self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
                                 config=EngineConfig(speculate=speculate, budget=budget, **engine))

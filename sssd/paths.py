@@ -41,14 +41,41 @@ def portable(obj: object) -> object:
     return obj
 
 
-#: The model the packaged calibration was fitted for (with the default datastore).
-CALIBRATED_MODEL = "smollm2-135m-instruct"
+def packaged_calibration_file() -> Path:
+    """The `sssd calibrate` file shipped in the package (sssd/data/calibration-smollm2.json),
+    whether or not it fits a given datastore and model."""
+    return Path(__file__).resolve().parent / "data" / "calibration-smollm2.json"
 
 
 def packaged_calibration(model: str | os.PathLike, datastore: object = "default") -> Path | None:
-    """The `sssd calibrate` file shipped in the package for the default model with the default
-    datastore (sssd/data/calibration-smollm2.json), or None for any other pairing."""
-    if datastore != "default" or Path(str(model)).name != CALIBRATED_MODEL:
+    """The packaged calibration file if it fits this model and datastore, else None.
+
+    It fits when its fingerprint matches: the datastore's content fingerprint and
+    tokenizer, and the model's weights identity (sssd.calibration_file), whatever
+    their names or paths: a copy of the default datastore fits, a datastore of the
+    same name built from other data does not. Why it does not fit is logged (INFO).
+
+    Args:
+        model: a model folder or registered model name (need not be pulled yet).
+        datastore: a Datastore, a datastore directory or archive, "default", or None (none fits);
+            of a list, the first (retrieval's).
+    """
+    import logging
+
+    from sssd.calibration_file import CalibrationFile
+
+    path = packaged_calibration_file()
+    if isinstance(datastore, (list, tuple)):  # several: the first is retrieval's
+        datastore = datastore[0] if datastore else None
+    if datastore is None or not path.is_file():
         return None
-    path = Path(__file__).resolve().parent / "data" / "calibration-smollm2.json"
-    return path if path.is_file() else None
+    try:
+        problems = CalibrationFile.load(path).check(datastore, model)
+    except ValueError as e:  # a damaged installation
+        logging.getLogger("sssd.calibration").warning("the packaged calibration is unreadable (%s)", e)
+        return None
+    if problems:
+        logging.getLogger("sssd.calibration").info("the packaged calibration does not fit (%s): drafting with the "
+                                                   "uncalibrated defaults", "; ".join(problems))
+        return None
+    return path

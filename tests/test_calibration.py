@@ -176,12 +176,12 @@ def test_grid_evaluation_is_the_same_in_worker_processes(tiny):
         evaluate([Trial(configs[0], 8)], [], path, workers=1)
 
 
-def test_packaged_calibration_is_a_valid_file_for_the_default_pairing_only():
-    from sssd.paths import packaged_calibration
+def test_packaged_calibration_is_a_valid_file_for_its_fingerprint_only():
+    from sssd.paths import packaged_calibration, packaged_calibration_file
 
-    path = packaged_calibration("smollm2-135m-instruct")
-    assert path is not None and path.name == "calibration-smollm2.json"
-    assert packaged_calibration("/models/smollm2-135m-instruct") == path  # a pulled folder of that name
+    path = packaged_calibration_file()
+    assert path.is_file() and path.name == "calibration-smollm2.json"
+    # which datastores and models it fits: tests/test_calibration_file.py
     assert packaged_calibration("qwen2.5-coder-0.5b-instruct") is None
     assert packaged_calibration("smollm2-135m-instruct", datastore="/my/own/store") is None
     data = json.loads(path.read_text())
@@ -196,7 +196,7 @@ def test_packaged_calibration_is_a_valid_file_for_the_default_pairing_only():
 
 
 def test_provenance_names_no_machine_directories(tmp_path, monkeypatch):
-    from sssd.paths import packaged_calibration, portable
+    from sssd.paths import packaged_calibration_file, portable
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     got = portable({"a": [str(tmp_path / "cache" / "models" / "m")], "b": "/elsewhere/x", "c": 3})
@@ -210,7 +210,7 @@ def test_provenance_names_no_machine_directories(tmp_path, monkeypatch):
             for v in obj:
                 yield from paths(v)
 
-    data = json.loads(packaged_calibration("smollm2-135m-instruct").read_text())
+    data = json.loads(packaged_calibration_file().read_text())
     found = list(paths({"datastore": data["datastore"], "groundtruth": data["groundtruth"]}))
     assert found and not any(p.startswith("/") for p in found), found
 

@@ -31,6 +31,9 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--default-budget", type=_args.int_range(0, int(_core.MAX_BUDGET)), default=0,
                    help="budget the file uses when none is asked (0: 32 if listed, else the largest)")
     p.add_argument("--workers", type=_args.int_range(0), default=0, help="replay processes (0: one per core)")
+    p.add_argument("--model", default=None,
+                   help="the model the ground truth came from, for the file's fingerprint (a model folder or "
+                        "registered name; default: the one the ground-truth files record)")
     for f in GridAxes.__dataclass_fields__:
         is_int = isinstance(getattr(axes, f)[0], int)
         kind = _args.int_range(1) if is_int else _args.float_range(0.0)
@@ -48,9 +51,10 @@ def setup(p: argparse.ArgumentParser):
         axes = _grid(args)  # every grid value checked before anything loads
         datastore = resolve_datastore(_args.default_datastore() if args.datastore == "default" else args.datastore)
         tokenizer = datastore.load_tokenizer()  # checked against the identity its manifest records
-        examples, sources = [], []
+        examples, sources, models = [], [], []
         for path in args.groundtruth:
             header, items = load_groundtruth(path, tokenizer=tokenizer)
+            models.append(header.get("model"))
             if args.split == "dev":
                 from sssd.calibration.datasets import split
 
@@ -73,21 +77,51 @@ def setup(p: argparse.ArgumentParser):
             if done == total:
                 bar.close()
 
+        fingerprint = _fingerprint(datastore, tokenizer, args.model, models)  # before the long run: it may warn
         result = calibrate(examples, datastore, args.budgets, axes, args.default_budget or None, args.workers, progress)
         from sssd.paths import portable
 
         provenance = portable({"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
                                              "tokenizer": datastore.manifest.get("tokenizer")},
                                "groundtruth": sources})
-        written = save(result, Path(args.output), provenance)
+        written = save(result, Path(args.output), provenance, fingerprint)
         print(f"{'budget':>6} {'default':>8} {'grid best':>9} {'+ curves':>9}  chosen")
         for b in result.budgets:
             best, cal = result.best[b].mat, result.calibrated[b].mat
             print(f"{b:>6} {result.baseline[b].mat:8.3f} {best:9.3f} {cal:9.3f}  {'calibrated' if cal > best else 'uncalibrated'}")
-        print("wrote " + ", ".join(str(p) for p in written) + f" ({result.seconds:.0f} s)")
+        print("wrote " + ", ".join(str(p) for p in written) + f" ({result.seconds:.0f} s); calibrated for datastore "
+              f"{fingerprint.datastore}, tokenizer {str(fingerprint.tokenizer)[:12]}, model {fingerprint.model_name} "
+              f"({fingerprint.model or 'identity unknown: not checked'})")
         return 0
 
     return run
+
+
+def _fingerprint(datastore, tokenizer, model: str | None, headers: list):
+    """What the parameter file is calibrated for: the datastore's content fingerprint, the tokenizer's
+    sha256, and the model (`--model`, else the one every ground-truth file records: its registered name
+    or folder). A model that cannot be identified is left out of the fingerprint (not checked), with a note."""
+    from sssd.calibration_file import Fingerprint, datastore_identity, model_fingerprint
+
+    ds_fp, tok = datastore_identity(datastore)
+    tok = tok or (tokenizer.sha256 if tokenizer is not None else None)
+    if model is not None:
+        name, model_fp = model_fingerprint(model)
+        if model_fp is None:
+            raise ValueError(f"--model {model}: not a model folder (with config.json) nor a registered model")
+        return Fingerprint(ds_fp, tok, model_fp, name)
+    recorded = (m.get("registry") or m.get("path") or m.get("name") for m in headers if isinstance(m, dict))
+    named = {m for m in recorded if isinstance(m, str)}
+    if len(named) != 1:
+        print(f"note: the ground-truth files record {len(named) or 'no'} models ({', '.join(sorted(named)) or '-'}); "
+              "the fingerprint leaves the model out (give --model to record it)", file=sys.stderr)
+        return Fingerprint(ds_fp, tok)
+    model = named.pop()
+    name, model_fp = model_fingerprint(model)
+    if model_fp is None:
+        print(f"note: cannot identify the ground truth's model {model} (no such folder or registered model); "
+              "the fingerprint leaves the model out (give --model to record it)", file=sys.stderr)
+    return Fingerprint(ds_fp, tok, model_fp, name)
 
 
 def _grid(args: argparse.Namespace):

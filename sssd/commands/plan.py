@@ -43,13 +43,13 @@ def setup(p: argparse.ArgumentParser):
         else:
             raise ValueError(f"--model {args.model}: not a known shape ({', '.join(MODELS)}) nor a config.json")
         cal = args.calibration
-        if cal is None:
-            from sssd.paths import packaged_calibration
+        if cal is None:  # a projection for named hardware: the packaged MAT, whatever datastore is built here
+            from sssd.paths import packaged_calibration_file
 
-            cal = packaged_calibration("smollm2-135m-instruct", "default")
+            cal = packaged_calibration_file()
         elif not Path(cal).is_file():
             raise FileNotFoundError(f"--calibration {cal}: no such file")
-        mat = mat_from_calibration(str(cal) if cal else None)
+        mat = mat_from_calibration(cal)  # ValueError for a malformed file
         hw = HARDWARE[args.hardware]
         rows = projection(shape, hw, mat, tuple(args.batch_sizes), args.context, args.efficiency)
         if args.json:

@@ -27,8 +27,9 @@ def setup(p: argparse.ArgumentParser):
                         "retrieval's, each further one drafts as a source of its own, named by its folder in the "
                         "metrics (default: default)")
     p.add_argument("--drafter", default="default",
-                   help="drafter config or `sssd calibrate` parameter file (default: the packaged calibration "
-                        "when serving the default model with the default datastore, else the built-in defaults)")
+                   help="drafter config or `sssd calibrate` parameter file; a calibration made for another "
+                        "datastore, tokenizer or model is not used (warning) (default: the packaged calibration "
+                        "when its fingerprint matches the model and datastore, else the built-in defaults)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; the default serves this machine only (see SECURITY.md before exposing it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
@@ -112,8 +113,15 @@ def validate(args: argparse.Namespace) -> None:
 
         get_spec(args.model)  # ValueError listing the registered models
     _datastores(args)
-    if args.drafter != "default" and not Path(args.drafter).expanduser().is_file():
-        raise FileNotFoundError(f"--drafter {args.drafter}: no such file")
+    if args.drafter != "default":
+        if not Path(args.drafter).expanduser().is_file():
+            raise FileNotFoundError(f"--drafter {args.drafter}: no such file")
+        from sssd.calibration_file import load_drafter
+
+        try:
+            load_drafter(Path(args.drafter).expanduser())  # a bad file refuses to serve (the fingerprint: later)
+        except ValueError as e:
+            raise ValueError(f"--drafter {e}") from None
     if args.device and not (args.device == "cpu" or args.device.split(":")[0] in ("cuda", "mps", "xpu")):
         raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or xpu, got {args.device!r}")
     _check_bindable(args.host, args.port)
@@ -182,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
     if drafter == "default":
         from sssd.paths import packaged_calibration
 
-        drafter = packaged_calibration(args.model, args.datastore)
+        drafter = packaged_calibration(args.model, datastore)  # None unless its fingerprint matches
     config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile)
