@@ -1,8 +1,8 @@
 """Grid search over drafter parameters, scored by replay MAT.
 
 The search is staged so that its size stays sane: first the datastore query
-parameters (M, backoff threshold, branch length) under the default
-discounts, then the discounts (input-source scale, damping by match length
+parameters (M, backoff threshold, branch length, adaptive depth, match
+boost) under the default discounts, then the discounts (input-source scale, damping by match length
 and by depth, datastore match damping) under each budget's best query
 parameters. Every setting is replayed at every budget; replays run in
 worker processes (the datastore is memory-mapped, so they share it).
@@ -28,7 +28,9 @@ class GridAxes:
 
     max_samples: tuple[int, ...] = (32, 100)
     min_occurrences: tuple[int, ...] = (5, 20, 50)
-    datastore_branch_len: tuple[int, ...] = (8, 16, 32)
+    datastore_branch_len: tuple[int, ...] = (8, 16)
+    datastore_branch_per_match: tuple[float, ...] = (0.0, 4.0)
+    match_boost: tuple[float, ...] = (1.0, 1.5)
     input_scale: tuple[float, ...] = (0.3, 0.6, 1.0)
     input_match_damping: tuple[float, ...] = (0.5, 0.8)
     input_depth_decay: tuple[float, ...] = (0.9, 1.0)
@@ -40,8 +42,10 @@ class GridAxes:
                 raise ValueError(f"grid axis {f.name} is empty")
 
     def query_points(self, base: DrafterConfig) -> list[DrafterConfig]:
-        return [base.replace(max_samples=m, min_occurrences=t, datastore_branch_len=b)
-                for m, t, b in itertools.product(self.max_samples, self.min_occurrences, self.datastore_branch_len)]
+        return [base.replace(max_samples=m, min_occurrences=t, datastore_branch_len=b, datastore_branch_per_match=g,
+                             match_boost=w)
+                for m, t, b, g, w in itertools.product(self.max_samples, self.min_occurrences, self.datastore_branch_len,
+                                                       self.datastore_branch_per_match, self.match_boost)]
 
     def discount_points(self, base: DrafterConfig) -> list[DrafterConfig]:
         d = base.discounts
@@ -57,7 +61,8 @@ class GridAxes:
         return out
 
     def size(self) -> int:
-        q = len(self.max_samples) * len(self.min_occurrences) * len(self.datastore_branch_len)
+        q = (len(self.max_samples) * len(self.min_occurrences) * len(self.datastore_branch_len)
+             * len(self.datastore_branch_per_match) * len(self.match_boost))
         d = len(self.input_scale) * len(self.input_match_damping) * len(self.input_depth_decay) * len(self.datastore_match_damping)
         return q + d
 
@@ -76,7 +81,9 @@ class Trial:
         c = self.config
         return {"stage": self.stage, "budget": self.budget, "mat": round(self.mat, 4), "draft_us": round(self.draft_us, 2),
                 "max_samples": c.max_samples, "min_occurrences": c.min_occurrences,
-                "datastore_branch_len": c.datastore_branch_len, "input_scale": c.discounts.input.scale,
+                "datastore_branch_len": c.datastore_branch_len,
+                "datastore_branch_per_match": c.datastore_branch_per_match, "match_boost": c.match_boost,
+                "input_scale": c.discounts.input.scale,
                 "input_match_damping": c.discounts.input.match_damping, "input_depth_decay": c.discounts.input.depth_decay,
                 "datastore_match_damping": c.discounts.datastore.match_damping,
                 "calibrated": c.discounts.calibration is not None}
