@@ -3,13 +3,18 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming as
 server-sent events in OpenAI's chunk format, or one JSON response),
 GET /v1/models, GET|HEAD /health, GET /metrics (Prometheus text format, with
-vLLM-compatible speculative-decoding counter names).
+vLLM-compatible speculative-decoding counter names). With `admin` (`sssd serve
+--enable-admin`), the datastores drafting can change while the server runs:
+GET /v1/admin/datastores lists them, POST /v1/admin/datastores {"path", "name"?}
+opens, checks and adds one (a server-side path), DELETE
+/v1/admin/datastores/{name} removes an added one.
 
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}
 with its status: 400 invalid request (bad parameters, malformed JSON, a
 prompt or max_tokens that does not fit the context), 401 missing or wrong
-API key, 404 unknown model or path, 405 wrong method, 413 request body too
-large, 429 queue full and 503 shutting down (both with Retry-After), 500 the
+API key, 404 unknown model, path or datastore, 405 wrong method, 409 a
+datastore change that conflicts (name taken, the primary datastore, no
+speculation), 413 request body too large, 429 queue full and 503 shutting down (both with Retry-After), 500 the
 request failed inside the engine, 504 request timeout. A streamed request
 that fails after its first chunk ends with an error event, then [DONE].
 
@@ -170,6 +175,22 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
+class DatastoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, max_length=4096)  # on the server's disk
+    name: str | None = None
+
+
+def _reason(e: BaseException) -> str:
+    """An error's message for a client: an OSError without its "[Errno N]"."""
+    if isinstance(e, OSError) and type(e).__str__ is OSError.__str__ and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    return str(e) or type(e).__name__
+
+
 def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     first = e.errors()[0] if e.errors() else {}
     if first.get("type") == "json_invalid":
@@ -183,7 +204,7 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, request_timeout: float = 600.0,
                max_tokens_default: int = 256, public_metrics: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-               drain_timeout: float = 10.0) -> FastAPI:
+               drain_timeout: float = 10.0, admin: bool = False) -> FastAPI:
     """The server's ASGI app.
 
     Args:
@@ -191,6 +212,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         public_metrics: with an API key, still serve /metrics without it (for a Prometheus scraper).
         drain_timeout: on shutdown, seconds running requests may take to finish before they
             are cut off (with an error event for streams, 503 for the others).
+        admin: serve /v1/admin/datastores (list, add, remove datastores at run time); they open
+            paths on the server's disk, so they exist only when asked for (SECURITY.md).
     """
     from contextlib import asynccontextmanager
 
@@ -415,8 +438,52 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": finish(out)}],
                 "usage": usage(out), "sssd": out.stats}
 
+    if admin:
+        _admin_routes(app, engine)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         public = {"/health"} | ({"/metrics"} if public_metrics else set())
         app.add_middleware(AuthMiddleware, api_key=api_key, public=frozenset(public))
     return app
+
+
+def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """The datastore admin endpoints. Adding opens and checks the datastore on a thread while the
+    running requests keep stepping; the change itself happens between two steps."""
+    from sssd import SSSDError
+    from sssd.datastore_source import SourceConflict, check_name
+
+    def conflict(e: SourceConflict) -> APIError:
+        return APIError(409, str(e), code="datastore_conflict")
+
+    @app.get("/v1/admin/datastores")
+    async def list_datastores():
+        return {"object": "list", "data": [dict(d, object="datastore") for d in engine.datastores()]}
+
+    @app.post("/v1/admin/datastores", status_code=201)
+    async def add_datastore(req: DatastoreRequest):
+        if req.name is not None:
+            try:
+                check_name(req.name)
+            except ValueError as e:
+                raise APIError(400, str(e), param="name", code="invalid_name") from None
+        try:
+            added = await engine.add_datastore(req.path, req.name)
+        except SourceConflict as e:
+            raise conflict(e) from None
+        except (OSError, ValueError, SSSDError) as e:  # missing, corrupt, another tokenizer: refused, nothing changed
+            log.warning("datastore %s refused: %s", req.path, _reason(e))
+            raise APIError(400, f"datastore {req.path} refused: {_reason(e)}", param="path",
+                           code="invalid_datastore") from None
+        return dict(added, object="datastore")
+
+    @app.delete("/v1/admin/datastores/{name}")
+    async def remove_datastore(name: str):
+        try:
+            removed = await engine.remove_datastore(name)
+        except SourceConflict as e:
+            raise conflict(e) from None
+        except KeyError:
+            raise APIError(404, f"no added datastore named {name!r} (GET /v1/admin/datastores lists them)",
+                           "not_found_error", code="datastore_not_found") from None
+        return dict(removed, object="datastore", deleted=True)

@@ -156,6 +156,62 @@ class AsyncEngine:
         await self._call(self.engine.abort, rid)
         self._wakeup.set()
 
+    # -- datastores (the admin endpoints) ------------------------------------------------------
+    def datastores(self) -> list[dict]:
+        """The datastores drafting now (sssd.datastore_source.list_datastores), with the draft
+        tokens of each that were accepted so far ("accepted")."""
+        from sssd.datastore_source import list_datastores
+
+        with self._lock:
+            drafting = self.engine.drafting
+            listed = list_datastores(drafting) if drafting is not None else []
+            accepted = dict(self.engine.metrics.accepted_by_source)
+        return [dict(d, accepted=accepted.get(d["name"], 0)) for d in listed]
+
+    async def add_datastore(self, path: str, name: str | None = None) -> dict:
+        """Opens and checks a datastore on an executor thread (the running requests keep stepping),
+        then adds it between two steps as a draft source of its own; returns its listing.
+
+        Raises:
+            FileNotFoundError, ValueError: it cannot be opened, is corrupt, does not fit the model,
+                or the name is malformed (nothing changed). SourceConflict: the name is taken, the
+                source limit is reached, or this engine does not draft.
+        """
+        from sssd.datastore_source import SourceConflict, add_datastore
+
+        if self.engine.drafting is None:
+            raise SourceConflict("this server does not speculate (--no-speculate or --draft none): "
+                                 "no datastore would draft")
+        ds = await asyncio.get_running_loop().run_in_executor(None, self.engine.check_datastore, path)
+
+        def add() -> dict:
+            source = add_datastore(self.engine.drafting, ds, name=name, default_name=path)
+            return dict(source.info(), primary=False, accepted=0)
+
+        added = await self._call(add)
+        log.info("datastore %r added (%s, %d tokens)", added["name"], added["path"], added["tokens"])
+        return added
+
+    async def remove_datastore(self, name: str) -> dict:
+        """Removes an added datastore between two steps (its requests' state is dropped); returns its
+        listing. KeyError: no such datastore. SourceConflict: the primary (retrieval's) one."""
+        from sssd.datastore_source import DatastoreSource, SourceConflict
+
+        def remove() -> dict:
+            drafting = self.engine.drafting
+            found = [s for s in (drafting.external if drafting is not None else ()) if s.name == name]
+            if not found or not isinstance(found[0], DatastoreSource):
+                if name == "datastore" and drafting is not None and drafting.datastore is not None:
+                    raise SourceConflict("'datastore' is the primary datastore (retrieval's, given first at "
+                                         "start); it cannot be removed while the server runs")
+                raise KeyError(name)
+            drafting.remove_source(name)
+            return dict(found[0].info(), primary=False)
+
+        removed = await self._call(remove)
+        log.info("datastore %r removed", name)
+        return removed
+
     @property
     def num_waiting(self) -> int:
         return len(self.engine.waiting)

@@ -38,6 +38,10 @@ def setup(p: argparse.ArgumentParser):
                         "(default: $SSSD_API_KEY if set, else no key)")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, serve /metrics without the key too (for a Prometheus scraper)")
+    p.add_argument("--enable-admin", action="store_true",
+                   help="serve /v1/admin/datastores: list, add and remove datastores while the server runs. Off "
+                        "by default: adding opens a path on the server's disk. Behind the API key like every "
+                        "endpoint; on an address other than loopback it needs --api-key (SECURITY.md)")
     p.add_argument("--max-running", type=int, default=32, help="requests decoded concurrently (KV slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="tokens per request (prompt + output)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
@@ -124,6 +128,9 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--drafter {e}") from None
     if args.device and not (args.device == "cpu" or args.device.split(":")[0] in ("cuda", "mps", "xpu")):
         raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or xpu, got {args.device!r}")
+    if getattr(args, "enable_admin", False) and not args.api_key and not _is_loopback(args.host):
+        raise ValueError(f"--enable-admin on {args.host} needs --api-key: the admin endpoints open paths on this "
+                         f"machine's disk (SECURITY.md)")
     _check_bindable(args.host, args.port)
 
 
@@ -216,7 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, name, api_key=args.api_key, request_timeout=args.request_timeout,
                      max_tokens_default=args.max_tokens, public_metrics=args.public_metrics,
-                     max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout)
+                     max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
+                     admin=getattr(args, "enable_admin", False))
     server = _graceful_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                      timeout_graceful_shutdown=args.drain_timeout + 5))
     server.on_exit = app.state.begin_drain
