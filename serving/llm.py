@@ -26,7 +26,9 @@ class LLM:
 
     Args:
         model: a model name from `sssd models list` or a local Hugging Face model folder.
-        datastore: a Datastore, a directory, "default", or None (draft from the prompt only).
+        datastore: a Datastore, a directory, "default", or None (draft from the prompt only);
+            or a list of them: the first drafts with the input source, each other one as a
+            draft source of its own (sssd.datastore_source.DatastoreSource).
         drafter: a DrafterConfig, a CalibrationFile, or a config / `sssd calibrate` parameter
             file (ValueError if malformed; one calibrated for another datastore, tokenizer or
             model is replaced by the built-in defaults, with a warning). Default: the packaged
@@ -44,7 +46,8 @@ class LLM:
         if drafter is None:
             from sssd.paths import packaged_calibration
 
-            drafter = packaged_calibration(model, datastore)  # None unless its fingerprint matches
+            primary = datastore[0] if isinstance(datastore, (list, tuple)) and datastore else datastore
+            drafter = packaged_calibration(model, primary)  # None unless its fingerprint matches
         draft = draft if speculate else []
         self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
                                 config=EngineConfig(speculate=speculate, budget=budget, **engine))

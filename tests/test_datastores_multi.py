@@ -136,6 +136,15 @@ def test_pipeline_adds_and_removes_a_source_for_running_requests(stores, plain):
 
 # -- the engine ---------------------------------------------------------------------------------
 
+def test_sssd_llm_takes_a_list_of_datastores(model, stores, plain):
+    """sssd.LLM(model, datastore=[A, B]) looks for the packaged calibration by its primary
+    datastore and drafts from both."""
+    llm = sssd.LLM(model, datastore=[stores["unrelated"], stores["answers"]], budget=8, max_model_len=256)
+    outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=N, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain[:1]
+    assert llm.engine.metrics.accepted_by_source.get("answers", 0) > 0
+
+
 def test_two_datastores_are_lossless_and_the_extra_one_drafts(model, stores, plain):
     eng = LLMEngine(model, datastore=[stores["unrelated"], stores["answers"]],
                     config=EngineConfig(max_model_len=256, budget=8, max_running=2))
