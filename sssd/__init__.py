@@ -25,6 +25,7 @@ from sssd.config import (
     DrafterConfig,
     SourceDiscount,
 )
+from sssd.calibration_file import CalibrationFile
 from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
@@ -63,6 +64,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Calibration",
+    "CalibrationFile",
     "Candidates",
     "DraftRequest",
     "DraftSource",
