@@ -85,6 +85,22 @@ def test_observing_keeps_the_newest_topk_per_token_and_scores_the_old_rows():
         src.observe_verified(np.array([1]), np.array([5]), np.array([[1, 2]]))  # fewer than k columns
 
 
+def test_the_template_follows_the_measured_rates():
+    """Every new argmax is the old row's rank-2 token: once enough are checked, the rates and the
+    rebuilt template put rank 2 first."""
+    src = TokenRecycling(k=4, vocab_size=50, nodes=30, max_depth=4)
+    first = src.template
+    toks = np.arange(50)
+    rows = np.stack([(toks + d) % 50 for d in range(1, 5)], axis=1)
+    for _ in range(7):
+        src.observe_verified(toks, toks, rows)
+        rows = rows[:, [2, 0, 1, 3]]
+    assert src.trials == 300 and src.hits.tolist() == [0, 0, 300, 0] and src.rates().argmax() == 2
+    want = static_template(src.rates(), 30, 4)
+    assert src.template is not first and src.template.ranks[0] == 2
+    assert (src.template.ranks == want.ranks).all() and (src.template.parents == want.parents).all()
+
+
 def test_a_matrix_without_a_vocabulary_grows():
     src = TokenRecycling(k=2)
     src.observe_verified(np.array([0]), np.array([1000]), np.array([[3, 2000]]))
