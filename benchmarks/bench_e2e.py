@@ -16,9 +16,22 @@ Plots (benchmarks/out/): latency vs throughput per model (the paper's
 Figure 6 shape) and the forward-cost curve (time per step vs tokens per
 step) that the planner profiles.
 
+Draft-source ablation (--draft-sets): instead of the default sources, each
+listed set of draft sources (spec strings, comma-separated, as
+`sssd serve --draft` takes them) drafts the same prompts, each against the
+same plain run; `recycle` alone is Token Recycling's own row (the peer).
+Each set has one engine over the one loaded model for the whole run, so
+its sources stay warm from run to run as a server's would (Token
+Recycling's matrix, the recent outputs); no prompt is generated twice by
+an engine: each batch size of a set takes the next prompts of the split.
+Reported per set: tokens/s over plain, MAT, accepted draft tokens per
+step, and accepted tokens per source; the plots are skipped.
+
 Usage:
   python benchmarks/bench_e2e.py --models smollm2-135m-instruct --sets mtbench gsm8k humaneval
   python benchmarks/bench_e2e.py --batch-sizes 1 4 16 --prompts 8 --max-tokens 128
+  python benchmarks/bench_e2e.py --batch-sizes 1 4 --max-tokens 64 --no-hf \\
+      --draft-sets retrieval recycle retrieval,recycle retrieval,recycle,recent
 """
 
 from __future__ import annotations
@@ -60,9 +73,23 @@ def summarize(outs, seconds: float) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     lat = [(o.metrics["finish"] - o.metrics["arrival"]) / max(len(o.token_ids), 1) for o in outs]
     steps = sum(o.stats["steps"] for o in outs)
+    accepted = sum(o.stats.get("accepted", 0) for o in outs)
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
             "latency_ms_per_token": round(1e3 * float(np.mean(lat)), 2),
-            "mat": round(tokens / steps, 4) if steps else None}
+            "mat": round(tokens / steps, 4) if steps else None,
+            "accepted_per_step": round(accepted / steps, 4) if steps else None}
+
+
+def ablation_table(rows) -> str:
+    """The draft-source ablation as a markdown table (one line per set, batch size and draft set)."""
+    lines = ["| set | batch | draft sources | tok/s | vs plain | MAT | accepted/step | accepted by source | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        by = ", ".join(f"{k} {v}" for k, v in sorted(r["accepted_by_source"].items(), key=lambda kv: -kv[1])) or "-"
+        lines.append(f"| {r['set']} | {r['batch']} | {r['draft']} | {r['sssd']['tokens_per_s']:.1f} "
+                     f"(plain {r['plain']['tokens_per_s']:.1f}) | {r['speedup']:.2f}x | {r['sssd']['mat']} | "
+                     f"{r['sssd']['accepted_per_step']} | {by} | {r['identical']} |")
+    return "\n".join(lines)
 
 
 def predicted_speedup(engine: LLMEngine, batch: int, mat: float | None, budgets: dict[int, int]) -> float | None:
@@ -114,6 +141,9 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: the planner chooses)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers prompt-lookup baseline")
+    ap.add_argument("--draft-sets", nargs="+", default=None,
+                    help="draft-source ablation: sets of sources to compare, each comma-separated "
+                         "(e.g. retrieval recycle retrieval,recycle retrieval,recycle,recent)")
     args = ap.parse_args()
     if len(args.datastores) == 1:
         args.datastores = args.datastores * len(args.models)
@@ -130,14 +160,28 @@ def main() -> int:
         if spec.planner.profile is not None:
             print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
         curves[name] = []
+        ablation = {}
+        if args.draft_sets:
+            print(f"{name}: draft-source ablation over {args.draft_sets}")
+            ablation = {d: LLMEngine(model, datastore=ds, drafter=args.drafter, draft=d, backend=spec.backend,
+                                     config=spec.config) for d in args.draft_sets}
         for dataset in args.sets:
-            all_prompts = load_prompts(dataset, max(args.prompts, args.prompts_per_row * max(args.batch_sizes)))
-            for B in args.batch_sizes:
-                prompts = all_prompts[: max(args.prompts, args.prompts_per_row * B)]
+            sizes = [max(args.prompts, args.prompts_per_row * B) for B in args.batch_sizes]
+            all_prompts = load_prompts(dataset, sum(sizes) if ablation else max(sizes))
+            for B, n in zip(args.batch_sizes, sizes):
+                prompts = all_prompts[:n]
+                if ablation:  # fresh prompts for warm sources
+                    prompts, all_prompts = all_prompts[:n], all_prompts[n:]
                 spec.config = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})  # caps admission at B
                 spec.metrics.budgets.clear()
                 po, pt = run(spec, prompts, args.max_tokens, speculate=False)
                 spec.metrics.budgets.clear()
+                if ablation:
+                    rows = ablation_rows(ablation, args, dataset, B, prompts, po, pt)
+                    curves[name].extend(rows)
+                    if B == 1 and not args.no_hf:
+                        hf_jobs.append((rows[0], [spec.encode(p) for p in prompts], [o.token_ids for o in po]))
+                    continue
                 so, st = run(spec, prompts, args.max_tokens, speculate=True)
                 s, p = summarize(so, st), summarize(po, pt)
                 same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
@@ -156,9 +200,12 @@ def main() -> int:
                       f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
                       f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}",
                       flush=True)
-        plot(curves[name], name, spec)
+        if args.draft_sets:
+            print(ablation_table(curves[name]))
+        else:
+            plot(curves[name], name, spec)
         path, eos = Path(spec.backend.info.path), sorted(spec.eos_ids)
-        del spec
+        del spec, ablation
         gc.collect()
         if hf_jobs:
             import torch
@@ -176,6 +223,36 @@ def main() -> int:
                       f"identical to plain {h['identical_to_plain']})", flush=True)
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
+
+
+def ablation_rows(engines: dict[str, LLMEngine], args, dataset: str, B: int, prompts, plain_outs,
+                  plain_seconds: float) -> list[dict]:
+    """One row per draft set: its engine generates the prompts (at most B at once), compared with
+    the plain run."""
+    p = summarize(plain_outs, plain_seconds)
+    rows = []
+    for draft, eng in engines.items():
+        eng.config = eng.config.__class__(**{**eng.config.__dict__, "max_running": B})
+        eng.metrics.budgets.clear()
+        before = dict(eng.metrics.accepted_by_source)
+        outs, seconds = run(eng, prompts, args.max_tokens, speculate=True)
+        s = summarize(outs, seconds)
+        budgets = dict(sorted(eng.metrics.budgets.items()))
+        by = {k: v - before.get(k, 0) for k, v in eng.metrics.accepted_by_source.items() if v > before.get(k, 0)}
+        name = Path(eng.backend.info.path).name
+        row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "draft": draft, "sssd": s,
+               "plain": p, "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3),
+               "identical": all(a.token_ids == b.token_ids for a, b in zip(outs, plain_outs)), "budgets": budgets,
+               "accepted_by_source": by}
+        predicted = predicted_speedup(eng, B, s["mat"], budgets)
+        if predicted:
+            row["predicted"] = predicted
+        rows.append(row)
+        print(f"{name:24s} {dataset:9s} B={B:<3d} {draft:28s} {s['tokens_per_s']:7.2f} tok/s "
+              f"(plain {p['tokens_per_s']:7.2f}) {row['speedup']:.2f}x MAT {s['mat']} "
+              f"accepted/step {s['accepted_per_step']} by source {by} identical={row['identical']} "
+              f"budgets={budgets}", flush=True)
+    return rows
 
 
 def plot(rows, name: str, engine: LLMEngine) -> None:
