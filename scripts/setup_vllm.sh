@@ -24,5 +24,18 @@ if ! "$py" -c "import vllm" 2>/dev/null; then
   pip uninstall -y torchvision torchaudio torchcodec || true
 fi
 pip install "${pin[@]}" "scikit-build-core>=0.10" "pybind11>=2.13" cmake ninja
+# vLLM's `suffix` speculative method, which sssd.serving.vllm_compare runs
+# beside SSSD, imports arctic-inference. PyPI has only its sdist for this CPU:
+# built against vLLM's torch (--no-build-isolation, under a minute), with
+# --no-deps so that it leaves vLLM's pins alone, and with the environment on
+# PATH so that its CMake finds this Python's nanobind. Best-effort: without it
+# the comparison reports the suffix method as skipped, saying why.
+if ! "$py" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  venv_dir="$(cd "$venv" && pwd)"
+  { pip install "${pin[@]}" nanobind==2.9.2 setuptools wheel &&
+    VIRTUAL_ENV="$venv_dir" PATH="$venv_dir/bin:$PATH" \
+      pip install "${pin[@]}" --no-deps --no-build-isolation arctic-inference==0.3.0; } ||
+    echo "setup_vllm.sh: arctic-inference did not build; vllm_compare will skip vLLM's suffix method" >&2
+fi
 pip install "${pin[@]}" --no-build-isolation -e . --config-settings=build-dir=build/vllm-{wheel_tag}
 "$py" -c "import vllm, sssd.serving.vllm_proposer; print('vLLM', vllm.__version__, 'with sssd', sssd.__version__, 'in $venv')"
