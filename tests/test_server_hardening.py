@@ -289,6 +289,8 @@ def _serve(model, tmp_path, *args):
     (["--drafter", "/nonexistent.json"], "no such file"),
     (["--host", "no-such-host.invalid"], "cannot resolve"),
     (["--api-key", ""], "--api-key is empty"),
+    (["--draft", "retrieval,model:tiny"], "available: retrieval, recycle, recent"),
+    (["--draft", "recycle:x"], "malformed draft source"),
 ])
 def test_serve_refuses_bad_arguments_before_loading_anything(model, tmp_path, args, message):
     r = _serve(model, tmp_path, *args)

@@ -12,6 +12,8 @@ from pathlib import Path
 from sssd.cli import command
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: Draft sources `sssd serve --draft` accepts (sssd.sources' spec grammar names more).
+SERVABLE_SOURCES = ("retrieval", "recycle", "recent")
 
 
 @command("serve", help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
@@ -49,8 +51,9 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--budget", type=int, default=None,
                    help="fixed draft budget (default: the planner chooses per batch size)")
     p.add_argument("--draft", default="retrieval",
-                   help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens); "
-                        "'none' serves without speculation")
+                   help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens), "
+                        "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
+                        "tokens), recent (other requests' recent outputs); 'none' serves without speculation")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
@@ -103,9 +106,9 @@ def validate(args: argparse.Namespace) -> None:
         from sssd.sources import parse_specs
 
         for spec in parse_specs(args.draft):  # ValueError naming the known kinds
-            if spec[0] != "retrieval":
+            if spec[0] not in SERVABLE_SOURCES:
                 raise ValueError(f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
-                                 f"version of sssd (available: retrieval)")
+                                 f"version of sssd (available: {', '.join(SERVABLE_SOURCES)})")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (unset SSSD_API_KEY or give a key)")
     model = Path(args.model).expanduser()
