@@ -273,7 +273,7 @@ def result_record(res, **extra) -> dict:
 # -- report -------------------------------------------------------------------
 def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) -> None:
     print(f"\n== {set_name}: {info}")
-    head = f"{'system':28s} {'setting (chosen on dev)':40s} " + " ".join(f"{'MAT@' + str(b):>7s}" for b in budgets)
+    head = f"{'system':30s} {'setting (chosen on dev)':44s} " + " ".join(f"{'MAT@' + str(b):>7s}" for b in budgets)
     head += " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'nodes@32':>8s}"
     print(head)
     by_system: dict[str, dict[int, dict]] = {}
@@ -281,7 +281,7 @@ def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) 
         by_system.setdefault(r["system"], {})[r["budget"]] = r
     for name, cells in by_system.items():
         first = next(iter(cells.values()))
-        line = f"{name:28s} {first['settings'][:40]:40s} " + " ".join(
+        line = f"{name:30s} {first['settings'][:44]:44s} " + " ".join(
             f"{cells[b]['mat']:7.3f}" if b in cells else f"{'':7s}" for b in budgets)
         line += " " + " ".join(f"{cells[b]['draft_us']:7.1f}" if b in cells else f"{'':7s}" for b in budgets if b in (16, 32))
         line += f" {cells[32]['nodes_per_step']:8.1f}" if 32 in cells else ""
