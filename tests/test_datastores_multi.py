@@ -14,17 +14,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 import sssd
 from sssd.datastore_source import DatastoreSource, add_datastore, conditional_weights
-from sssd.serving.api_server import create_app
-from sssd.serving.async_engine import AsyncEngine
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.params import SamplingParams
 from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
 
-from test_server import free_port
+from test_server import Server, free_port
 from tiny_models import WORDS, tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [60, 61, 30]]
@@ -170,32 +167,16 @@ def test_every_datastore_is_checked_against_the_model(model, stores):
 
 # -- the server ---------------------------------------------------------------------------------
 
-class AdminServer:
+def admin_server(model, primary, api_key=None, admin=True) -> Server:
     """A server with the admin endpoints (or without, admin=False) over an engine with `primary`."""
-
-    def __init__(self, model, primary, api_key=None, admin=True):
-        self.engine = LLMEngine(model, datastore=primary, config=EngineConfig(budget=4, max_model_len=256, max_running=4))
-        self.port = free_port()
-        app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, admin=admin)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+    return Server(model, api_key=api_key, app_options={"admin": admin}, datastore=primary, max_running=4)
 
 
 def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
     long_prompt = PROMPTS[2]
     want = LLMEngine(model, datastore=None, config=EngineConfig(speculate=False, max_model_len=256)).generate(
         [long_prompt], SamplingParams(max_tokens=150, ignore_eos=True))[0].text
-    s = AdminServer(model, stores["unrelated"])
+    s = admin_server(model, stores["unrelated"])
     steps = s.engine.step
 
     def slow_step():  # a stream long enough to add a datastore in its middle
@@ -265,7 +246,7 @@ def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
 
 
 def test_admin_endpoints_need_the_key_and_the_flag(model, stores):
-    s = AdminServer(model, None, api_key="sekret")
+    s = admin_server(model, None, api_key="sekret")
     try:
         assert httpx.get(s.url + "/v1/admin/datastores").status_code == 401
         r = httpx.post(s.url + "/v1/admin/datastores", json={"path": str(stores["answers"])})
@@ -277,7 +258,7 @@ def test_admin_endpoints_need_the_key_and_the_flag(model, stores):
         assert r.status_code == 201 and r.json()["name"] == "a"
     finally:
         s.stop()
-    s = AdminServer(model, None, admin=False)
+    s = admin_server(model, None, admin=False)
     try:
         assert httpx.get(s.url + "/v1/admin/datastores").status_code == 404
         assert httpx.post(s.url + "/v1/admin/datastores", json={"path": str(stores["answers"])}).status_code == 404

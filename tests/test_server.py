@@ -33,9 +33,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, api_key=None, app_options=None, **cfg):
+    def __init__(self, model, api_key=None, app_options=None, datastore=None, **cfg):
         cfg.setdefault("max_model_len", 256)
-        self.engine = LLMEngine(model, datastore=None, config=EngineConfig(budget=4, **cfg))
+        self.engine = LLMEngine(model, datastore=datastore, config=EngineConfig(budget=4, **cfg))
         self.port = free_port()
         app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, request_timeout=cfg.pop("timeout", 60),
                          **(app_options or {}))
