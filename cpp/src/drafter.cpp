@@ -372,10 +372,7 @@ static void input_trees(std::span<const token_t> context, int longest, int depth
 DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) const {
   SSSD_CHECK_ARG(budget >= 0 && budget <= kMaxBudget, "budget = ", budget, " is outside [0, ",
                  kMaxBudget, "]");
-  check_tokens(context, "prefix");
-  for (const token_t t : context) {
-    SSSD_CHECK_ARG(t != kSeparator, "token id ", t, " is reserved as the document separator");
-  }
+  check_tokens(context, "prefix");  // also refuses the separator id
   const DrafterParams& p = params_;
   const int depth = p.input_max_match + p.input_branch_len;  // a request trie's depth
   DraftTree out;
