@@ -46,6 +46,7 @@ san="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 echo "== configuring and building the sanitized core in $build"
 "$cmake" -S "$root" -B "$build" "${generator[@]}" -Wno-dev \
   -DCMAKE_BUILD_TYPE=Debug \
+  -DCMAKE_C_FLAGS="-O1 -g -fno-omit-frame-pointer $san" \
   -DCMAKE_CXX_FLAGS="-O1 -g -fno-omit-frame-pointer $san" \
   -DCMAKE_EXE_LINKER_FLAGS="$san" -DCMAKE_SHARED_LINKER_FLAGS="$san" -DCMAKE_MODULE_LINKER_FLAGS="$san" \
   -DSKBUILD_PROJECT_NAME=sssd -DSKBUILD_PROJECT_VERSION=0.0.0 \

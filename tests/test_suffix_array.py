@@ -89,24 +89,26 @@ def test_empty_and_single():
 
 @pytest.mark.skipif(bool(os.environ.get("SSSD_SANITIZED")) or "libasan" in os.environ.get("LD_PRELOAD", ""),
                     reason="ASan reserves terabytes of address space: RLIMIT_AS cannot be lowered under it")
-def test_allocation_failure_inside_the_parallel_sort_is_a_memory_error():
-    # One repeated token puts every suffix in one bucket, whose key records
-    # (16 bytes per suffix, grown by doubling) are allocated inside an OpenMP
-    # region. The address-space limit leaves room for the sort's allocations
-    # outside its parallel regions (12 bytes per token) but not for those
-    # records. An exception escaping an OpenMP region calls std::terminate
-    # (SIGABRT): it must come out as MemoryError instead. In a child
-    # interpreter, so that a regression cannot kill the test session.
-    code = textwrap.dedent("""
+@pytest.mark.parametrize("stream, room", [
+    ("np.ones(n, dtype=np.uint32)", 6),               # the symbol copy of the stream does not fit
+    ("np.arange(n, dtype=np.uint32)[::-1].copy()", 9),  # it fits, libsais's buckets (n symbols) do not
+])
+def test_allocation_failure_inside_the_sort_is_a_memory_error(stream, room):
+    # The address-space limit leaves `room` bytes per token above what the
+    # interpreter holds: the 4-byte output array always fits. Running out of
+    # memory, before libsais or inside it (its work space, allocated within
+    # OpenMP regions), must come out as MemoryError, not as a crash. In a
+    # child interpreter, so that a regression cannot kill the test session.
+    code = textwrap.dedent(f"""
         import resource
         import numpy as np
         from sssd import _core
         n = 1 << 24
-        tokens = np.ones(n, dtype=np.uint32)
+        tokens = {stream}
         _core.build_suffix_array(np.ones(1000, dtype=np.uint32), 2)  # OpenMP threads (stacks) exist first
         with open("/proc/self/statm") as f:
             used = int(f.read().split()[0]) * resource.getpagesize()
-        limit = used + 20 * n
+        limit = used + {room} * n
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
             _core.build_suffix_array(tokens, 2)
