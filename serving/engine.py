@@ -72,6 +72,8 @@ class EngineConfig:
             (planner.py), which falls back to no speculation where it would not pay.
         dtype / device / threads: how the model runs.
         reprofile: measure the planner's forward-time profile again instead of using the cached one.
+        datastore_residency: how the datastores' pages are kept in memory (sssd.datastore.RESIDENCY):
+            "warm" (read in at start, the default), "lock" (also pinned: never reclaimed) or "lazy".
     """
 
     max_running: int = 32
@@ -84,8 +86,14 @@ class EngineConfig:
     device: str | None = None
     threads: int | None = None
     reprofile: bool = False
+    datastore_residency: str = "warm"
 
     def __post_init__(self):
+        from sssd.datastore import RESIDENCY
+
+        if self.datastore_residency not in RESIDENCY:
+            raise ValueError(f"datastore_residency must be one of {', '.join(RESIDENCY)}, "
+                             f"got {self.datastore_residency!r}")
         for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -188,8 +196,8 @@ class LLMEngine:
                 sources = [RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s
                            for s in sources]
                 self.drafting = DraftPipeline(sources, _with_end_token(checked, eos), vocab_size=info.vocab_size)
-            if ds is not None:
-                ds.warm()  # fault the mmap in now: cold pages cost milliseconds per draft
+            if ds is not None:  # fault the mmap in now: cold pages cost milliseconds per draft
+                ds.make_resident(self.config.datastore_residency)
             from sssd.datastore_source import add_datastore
 
             for extra in datastores[1:]:
@@ -213,7 +221,8 @@ class LLMEngine:
 
     def check_datastore(self, datastore: Any) -> sssd.Datastore:
         """Opens a datastore (a Datastore, directory, archive or "default"), checks that it speaks the
-        model's tokens and warms its pages, for a draft source of its own (sssd.datastore_source).
+        model's tokens and makes its pages resident (EngineConfig.datastore_residency), for a draft
+        source of its own (sssd.datastore_source).
         Reads no engine state that a step changes: it may run beside one (the admin endpoint does).
 
         Raises:
@@ -226,7 +235,7 @@ class LLMEngine:
         if ds is None:
             raise ValueError("no datastore given")
         _check_datastore(ds, self.model_path, self.backend.info.vocab_size)
-        ds.warm()
+        ds.make_resident(self.config.datastore_residency)
         return ds
 
     def _sources(self, draft, datastore: Any, model_path: Path) -> list:

@@ -35,6 +35,14 @@ DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE), str(_core.TO
 DEFAULT = "default"
 
 
+#: How a datastore's pages are kept in memory (Datastore.make_resident).
+RESIDENCY = {
+    "lazy": "read on first use: the first queries pay page faults (from disk when cold)",
+    "warm": "all read in at open; the kernel may reclaim them under memory pressure",
+    "lock": "read in and pinned (mlock): never reclaimed; needs RLIMIT_MEMLOCK or CAP_IPC_LOCK",
+}
+
+
 class DatastoreError(_core.SSSDError, ValueError):
     """A datastore is missing, corrupt, or incompatible.
 
@@ -319,9 +327,37 @@ class Datastore:
         return self.size
 
     def warm(self) -> int:
-        """Touches every page of the mapped files, so that the first queries
-        take no page faults (a server does this at start-up). Returns bytes."""
+        """Reads every page of the mapped files in, so that the first queries
+        take no page faults (a server does this at start-up); the kernel may
+        reclaim them later under memory pressure. Returns bytes."""
         return int(self._native.warm())
+
+    def lock(self) -> int:
+        """Pins every page of the mapped files in memory (mlock) for as long as
+        this datastore is open: no query ever faults on it. Returns bytes.
+
+        Raises:
+            sssd.SSSDError: the lockable-memory limit (RLIMIT_MEMLOCK) is too low;
+                the message says how much was asked for and how to raise it.
+        """
+        return int(self._native.lock())
+
+    def make_resident(self, residency: str) -> int:
+        """Applies a residency mode (RESIDENCY): "lazy" reads pages on first
+        use, "warm" reads them all now, "lock" also pins them. Returns the
+        bytes read in or pinned (0 for lazy)."""
+        if residency not in RESIDENCY:
+            raise ValueError(f"residency must be one of {', '.join(RESIDENCY)}, got {residency!r}")
+        return 0 if residency == "lazy" else self.warm() if residency == "warm" else self.lock()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the mapped files now in memory (mincore)."""
+        return int(self._native.resident_bytes())
+
+    def page_out(self) -> bool:
+        """Asks the kernel to reclaim the unlocked pages now, as memory pressure
+        would (for benchmarks). False where the kernel cannot (Linux < 5.4)."""
+        return bool(self._native.page_out())
 
     @property
     def num_docs(self) -> int:

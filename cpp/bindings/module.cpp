@@ -258,7 +258,19 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def("warm", [](const sssd::Datastore& ds) {
         py::gil_scoped_release release;
         return ds.warm();
-      }, "Touches every mapped page (no page faults in later queries); returns the bytes touched.")
+      }, "Reads every mapped page in (no page faults in later queries until reclaimed); returns the bytes.")
+      .def("lock", [](const sssd::Datastore& ds) {
+        py::gil_scoped_release release;
+        return ds.lock();
+      }, "Pins every mapped page in memory (mlock) for the datastore's lifetime; returns the bytes.")
+      .def("page_out", [](const sssd::Datastore& ds) {
+        py::gil_scoped_release release;
+        return ds.page_out();
+      }, "Asks the kernel to reclaim the unlocked pages now (MADV_PAGEOUT), as memory pressure would.")
+      .def("resident_bytes", [](const sssd::Datastore& ds) {
+        py::gil_scoped_release release;
+        return ds.resident_bytes();
+      }, "Bytes of the mapped files now in memory (mincore).")
       .def("find", [](const sssd::Datastore& ds, const py::array& pattern) {
         const Tokens p(pattern, "pattern");
         py::gil_scoped_release release;

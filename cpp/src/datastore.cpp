@@ -163,12 +163,32 @@ void Datastore::write(std::span<const token_t> tokens, const std::string& dir, i
 
 size_t Datastore::warm() const {
   size_t bytes = 0;
-  volatile uint8_t sink = 0;
   for (const Bytes* b : {&tokens_bytes_, &suffix_bytes_, &token_index_bytes_}) {
-    for (size_t off = 0; off < b->size(); off += 4096) sink = sink + b->data()[off];
+    b->populate();
     bytes += b->size();
   }
-  (void)sink;
+  return bytes;
+}
+
+size_t Datastore::lock() const {
+  size_t bytes = 0;
+  for (const auto& [b, name] : {std::pair{&tokens_bytes_, kTokensFile}, std::pair{&suffix_bytes_, kSuffixArrayFile},
+                                std::pair{&token_index_bytes_, kTokenIndexFile}}) {
+    b->lock(dir_ + "/" + name);
+    bytes += b->size();
+  }
+  return bytes;
+}
+
+bool Datastore::page_out() const {
+  bool ok = true;
+  for (const Bytes* b : {&tokens_bytes_, &suffix_bytes_, &token_index_bytes_}) ok = b->page_out() && ok;
+  return ok;
+}
+
+size_t Datastore::resident_bytes() const {
+  size_t bytes = 0;
+  for (const Bytes* b : {&tokens_bytes_, &suffix_bytes_, &token_index_bytes_}) bytes += b->resident_bytes();
   return bytes;
 }
 

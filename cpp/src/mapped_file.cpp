@@ -2,11 +2,15 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "sssd/check.h"
@@ -44,6 +48,7 @@ Bytes Bytes::map_file(const std::string& path, bool random_access) {
     if (random_access) ::madvise(p, b.size_, MADV_RANDOM);
     b.data_ = static_cast<const uint8_t*>(p);
     b.mapped_ = true;
+    b.random_ = random_access;
   } else {
     ::close(fd);
   }
@@ -52,6 +57,61 @@ Bytes Bytes::map_file(const std::string& path, bool random_access) {
 
 void Bytes::advise(int advice) const {
   if (mapped_ && data_) ::madvise(const_cast<uint8_t*>(data_), size_, advice);
+}
+
+void Bytes::populate() const {
+  if (!mapped_ || !data_) return;
+  // Read the whole file ahead in large requests: under MADV_RANDOM each
+  // fault would read one page (measured: 29 s instead of 4 s for 220 MB).
+  advise(MADV_SEQUENTIAL);
+  advise(MADV_WILLNEED);
+  bool done = false;
+#ifdef MADV_POPULATE_READ
+  done = ::madvise(const_cast<uint8_t*>(data_), size_, MADV_POPULATE_READ) == 0;
+#endif
+  if (!done) {  // older kernels: fault each page in by reading it
+    volatile uint8_t sink = 0;
+    for (size_t off = 0; off < size_; off += 4096) sink = sink + data_[off];
+    (void)sink;
+  }
+  advise(random_ ? MADV_RANDOM : MADV_NORMAL);
+}
+
+void Bytes::lock(const std::string& what) const {
+  if (!mapped_ || !data_) return;
+  populate();  // read ahead first: mlock alone faults the pages in one by one
+  if (::mlock(data_, size_) == 0) return;
+  const int err = errno;
+  struct rlimit lim {};
+  ::getrlimit(RLIMIT_MEMLOCK, &lim);
+  const bool limit = err == ENOMEM || err == EPERM || err == EAGAIN;
+  throw Error(detail::concat("cannot lock ", what, " (", size_, " bytes) in memory: ", std::strerror(err),
+                             limit ? detail::concat("; the lockable-memory limit is ",
+                                                    lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                                                 : std::to_string(lim.rlim_cur),
+                                                    " bytes (raise it with `ulimit -l`, LimitMEMLOCK= in a systemd "
+                                                    "unit, or run with CAP_IPC_LOCK)")
+                                  : std::string()));
+}
+
+bool Bytes::page_out() const {
+  if (!mapped_ || !data_) return false;
+#ifdef MADV_PAGEOUT
+  return ::madvise(const_cast<uint8_t*>(data_), size_, MADV_PAGEOUT) == 0;
+#else
+  return false;
+#endif
+}
+
+size_t Bytes::resident_bytes() const {
+  if (!data_) return 0;
+  if (!mapped_) return size_;
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in_core((size_ + page - 1) / page);
+  if (::mincore(const_cast<uint8_t*>(data_), size_, in_core.data()) != 0) return 0;
+  size_t pages = 0;
+  for (unsigned char c : in_core) pages += c & 1;
+  return std::min(size_, pages * page);
 }
 
 Bytes Bytes::own(std::vector<uint8_t> buffer) {
@@ -68,6 +128,7 @@ Bytes& Bytes::operator=(Bytes&& other) noexcept {
   if (this != &other) {
     release();
     mapped_ = other.mapped_;
+    random_ = other.random_;
     size_ = other.size_;
     owned_ = std::move(other.owned_);
     data_ = mapped_ ? other.data_ : owned_.data();

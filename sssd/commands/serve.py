@@ -58,6 +58,11 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
                         "(do it on a quiet machine)")
+    p.add_argument("--datastore-residency", default="warm", choices=("lazy", "warm", "lock"),
+                   help="how the datastores' pages stay in memory: warm reads them in at start (the kernel may "
+                        "reclaim them under memory pressure, and drafts then fault), lock also pins them (mlock; "
+                        "needs `ulimit -l` above the datastore's size, or CAP_IPC_LOCK), lazy reads them on first "
+                        "use (default: warm)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are cut off")
@@ -203,7 +208,8 @@ def _serve(args: argparse.Namespace) -> int:
         drafter = packaged_calibration(args.model, datastore)  # None unless its fingerprint matches
     config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
-                          threads=args.threads, reprofile=args.reprofile)
+                          threads=args.threads, reprofile=args.reprofile,
+                          datastore_residency=args.datastore_residency)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     datastores = [datastore, *extra] if extra else datastore  # the first is retrieval's, the others their own sources
     engine = LLMEngine(args.model, datastore=datastores if speculate else None, drafter=drafter, config=config,

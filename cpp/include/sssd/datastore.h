@@ -125,10 +125,21 @@ class Datastore {
   /// The raw suffix array (index_bytes() wide entries, aligned), for tools.
   const uint8_t* suffix_array_data() const { return sa_; }
 
-  /// Touches every page of the mapped files so that later queries take no
-  /// page faults (the first queries after open otherwise map pages one
-  /// fault at a time). Returns the bytes touched.
+  // Residency of the mapped files (an in-memory datastore is always
+  // resident). A cold page costs a fault (from disk: a major one) inside a
+  // query; benchmarks/bench_residency.py measures what that costs.
+  /// Reads every page of the mapped files in, so that later queries take no
+  /// page faults until the kernel reclaims them. Returns the bytes read in.
   size_t warm() const;
+  /// Pins every page in memory (mlock) for the datastore's lifetime; the
+  /// kernel cannot reclaim them. Throws sssd::Error if the lockable-memory
+  /// limit (RLIMIT_MEMLOCK) is too low, saying how to raise it. Returns bytes.
+  size_t lock() const;
+  /// Asks the kernel to reclaim the unlocked pages now, as memory pressure
+  /// would (MADV_PAGEOUT). Returns false where the kernel cannot.
+  bool page_out() const;
+  /// Bytes of the three files now in memory.
+  size_t resident_bytes() const;
 
   /// Start position of the suffix of rank `r`. Throws std::out_of_range if
   /// r >= size(), CorruptFile if the stored entry is out of range (a corrupt

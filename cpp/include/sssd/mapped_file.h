@@ -37,11 +37,26 @@ class Bytes {
   /// a no-op for owned buffers. Failures are ignored (it is a hint).
   void advise(int advice) const;
 
+  // Residency of a mapped file's pages (no-ops on owned buffers, which are
+  // always resident).
+  /// Reads every page in (MADV_POPULATE_READ where the kernel has it, else
+  /// one touch per page). The kernel may still reclaim them later.
+  void populate() const;
+  /// Pins the pages in memory (mlock) until the map is released. Throws
+  /// sssd::Error naming errno and the RLIMIT_MEMLOCK fix if it cannot.
+  void lock(const std::string& what) const;
+  /// Asks the kernel to reclaim the pages now (MADV_PAGEOUT; locked pages
+  /// stay), as memory pressure would. Returns false if the kernel cannot.
+  bool page_out() const;
+  /// Bytes of the map now in memory (mincore).
+  size_t resident_bytes() const;
+
  private:
   void release() noexcept;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
   bool mapped_ = false;
+  bool random_ = false;  // mapped with MADV_RANDOM
   std::vector<uint8_t> owned_;
 };
 
