@@ -63,11 +63,63 @@ class DraftRequest:
         tokens: its tokens so far, prompt and output (int64, read-only); the last
             one is the root the draft continues.
         budget: the most candidate nodes the merged tree may hold.
+        temperature / top_k / top_p: how the target samples this request (temperature 0:
+            greedy). A model source may draw its candidates from its own distribution
+            processed the same way, and hand that distribution over (DraftDistributions).
     """
 
     request_id: int
     tokens: np.ndarray
     budget: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class DraftDistributions:
+    """What multi-step speculative sampling (SpecInfer's MSS) needs from a source that drew
+    its candidates at random: at every node it expanded, the whole draft distribution q and
+    the draws, in order, that it made from it.
+
+    The draws at a node must be independent draws from its q row (with replacement: a
+    token drawn twice is listed twice), made independently of anything the target
+    computes; the node's children in the Candidates are the distinct drawn tokens.
+    Verification then accepts exactly (serving.acceptance), whatever the merge keeps.
+
+    Attributes:
+        parents: [m] the expanded candidate's index (-1: the root).
+        q: [m, V] float32: each expanded node's draft distribution over the target's
+            vocabulary (rows sum to 1).
+        draws: [m, k] int64: the tokens drawn from each row, in drawing order (-1: padding).
+    """
+
+    parents: np.ndarray
+    q: np.ndarray
+    draws: np.ndarray
+
+    def check(self, n: int, vocab_size: int | None) -> DraftDistributions:
+        """The distributions as int32/float32/int64 arrays, or ValueError saying what is malformed."""
+        parents = np.asarray(self.parents)
+        q = np.asarray(self.q, dtype=np.float32)
+        draws = np.asarray(self.draws)
+        m = parents.shape[0] if parents.ndim == 1 else -1
+        if m < 0 or q.ndim != 2 or q.shape[0] != m or draws.ndim != 2 or draws.shape[0] != m:
+            raise ValueError(f"dists: parents [m], q [m, V] and draws [m, k] expected, got {parents.shape}, "
+                             f"{q.shape} and {draws.shape}")
+        if m and ((parents < -1).any() or (parents >= n).any()):
+            raise ValueError(f"dists: parents must be -1 or a candidate index below {n}")
+        if vocab_size is not None and q.shape[1] != vocab_size:
+            raise ValueError(f"dists: q rows must cover the target's vocabulary ({vocab_size}), got {q.shape[1]}")
+        if m and (not np.isfinite(q).all() or (q < 0).any() or not np.allclose(q.sum(axis=1), 1.0, atol=1e-3)):
+            raise ValueError("dists: every q row must be a probability distribution")
+        if draws.size and ((draws < -1).any() or (draws >= q.shape[1]).any()):
+            raise ValueError(f"dists: drawn tokens must be in [0, {q.shape[1]}) (-1: padding)")
+        rows = np.broadcast_to(np.arange(m)[:, None], draws.shape)
+        drawn = draws >= 0
+        if drawn.any() and not (q[rows[drawn], draws[drawn]] > 0).all():
+            raise ValueError("dists: a drawn token has probability 0 under its q row")
+        return DraftDistributions(parents.astype(np.int32), q, draws.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -85,12 +137,18 @@ class Candidates:
             probability, in [0, 1], that it follows its parent (e.g. a
             retrieval source's empirical frequency), times the source's
             discount. None: `probs`, or 1 for every candidate without them.
+        dists: for candidates drawn at random from a draft distribution, that
+            distribution at every expanded node and the draws
+            (DraftDistributions): sampled requests then verify them by
+            multi-step speculative sampling. None: the candidates are taken as
+            deterministic (verified by the sampling walk, exact for any choice).
     """
 
     tokens: np.ndarray
     parents: np.ndarray
     probs: np.ndarray | None = None
     weights: np.ndarray | None = None
+    dists: DraftDistributions | None = None
 
     def check(self, vocab_size: int | None) -> Candidates:
         """The proposal as int64/int32/float32 arrays, or ValueError saying what is malformed."""
@@ -109,7 +167,8 @@ class Candidates:
         for name, v in (("probs", probs), ("weights", weights)):
             if v is not None and (v.shape != tokens.shape or not np.all((v >= 0) & (v <= 1))):
                 raise ValueError(f"{name} must be one probability in [0, 1] per node")
-        return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs, weights)
+        dists = None if self.dists is None else self.dists.check(n, vocab_size)
+        return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs, weights, dists)
 
 
 class DraftSource(abc.ABC):
@@ -392,13 +451,19 @@ class DraftPipeline:
     def draft(self, requests: Sequence[DraftRequest]):
         """One merged DraftBatch for the requests (budgets 0: empty trees); its sources
         name the source of each node through `source_names`."""
+        return self.draft_with_proposals(requests)[0]
+
+    def draft_with_proposals(self, requests: Sequence[DraftRequest]) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
+        """The merged DraftBatch, and per request every external source's checked proposal
+        (source tag, Candidates) as it was before the merge: sampled verification needs the
+        draft distributions and draws of randomly drawn candidates (Candidates.dists)."""
         from sssd.calibration_file import draft_with_entries
 
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         external = None
+        per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
         if self.external:
-            per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
             for i, s in enumerate(self.external):
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
                 if not asked:
@@ -420,7 +485,7 @@ class DraftPipeline:
                         log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
                                     s.name, r.request_id, e)
             external = _concat_candidates(per_request)
-        return draft_with_entries(self.drafter, self.entries, ids, budgets, external)
+        return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
@@ -448,4 +513,4 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
             "sources": cat(tags, np.uint8)}
 
 
-__all__ = ["Candidates", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS", "parse_spec", "parse_specs"]
+__all__ = ["Candidates", "DraftDistributions", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS", "parse_spec", "parse_specs"]
