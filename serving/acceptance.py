@@ -17,12 +17,49 @@ one depth per iteration. Draws use inverse-CDF sampling with one uniform
 per visited node from the request's own generator (on the CPU, whatever the
 logits' device), so a seeded request consumes its random stream exactly as
 plain decoding does and gives the same tokens with or without speculation.
+
+Multi-step speculative sampling (SpecInfer, Algorithm 2 and Theorem 4.2) for
+candidates a source drew at random from a draft distribution q (a model
+drafter; sources.DraftDistributions): at a visited node u holding such
+draws x_1..x_k (independent draws from q_u, duplicates kept, made without
+seeing the target), with the target's processed distribution p at u:
+
+    for each draw x_i in order: with probability min(1, p(x_i) / q_u(x_i))
+        emit x_i (descend into its node if the tree kept it, else stop with
+        x_i as the bonus token); otherwise p := norm(max(0, p - q_u));
+    if every draw was rejected: draw y from the residual p and continue as
+        the sampling walk does (descend into u's child holding y, any
+        source's, else stop with y).
+
+Each trial is the classic rejection step (draft x ~ q, accept with
+min(1, p/q), else resample from the normalised residual): the token it
+emits, drawn directly or from the residual, is distributed as p exactly.
+Chaining trials with independent draws keeps that true for the residual at
+each stage, so whatever stage emits it, the node's token is a draw from the
+target's p. Several sources with draws at u (merge-based trees) chain their
+trials one after another, each with its own q_u.
+
+A mixed parent (model draws and retrieval or other deterministic children
+under one node) stays exact: the deterministic children play no part in
+the trials; they only decide where the walk goes once a token is emitted.
+Descending into a child never changes what was emitted, only where the
+next token is drawn: below a deterministic child the walk goes on as
+before; below a drawn child the draws there are independent of everything
+that led the walk to it (they were made from q at that path before the
+target ran, and the merge keeps or drops a node before it sees anything
+below it: children enter its queue only once their parent is taken). A
+draw whose node the merge dropped (the budget) still takes part in the
+trials: if accepted it is emitted as the bonus token. Draws cost one
+uniform each from the request's own generator, so a seeded request is
+reproducible; it no longer draws exactly the tokens plain decoding would
+(the proof is about distributions, not streams), which only the sampling
+walk over deterministic drafts guarantees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -108,14 +145,78 @@ def _uniforms(samplers: Sequence[Sampler], default: torch.Generator) -> torch.Te
     return torch.cat([torch.rand(1, generator=s.generator or default, dtype=torch.float64) for s in samplers])
 
 
+#: One source's draws at a node, for multi-step speculative sampling: its draft distribution
+#: q [V] (float32), the drawn tokens [k] in order, and the packed index of the node holding
+#: each (-1: not in the verified tree).
+Trials = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def mss_trials(drafts: Any, proposals: Sequence[Sequence[tuple[int, Any]]], rows: np.ndarray,
+               use: np.ndarray | None = None) -> list[dict[int, list[Trials]] | None]:
+    """Per row in `rows`: packed node index -> the trials of every source that drew candidates
+    at random there (sources.Candidates.dists), found in the merged tree by token path.
+
+    Args:
+        drafts: the merged DraftBatch (packed index = local node index + 1; 0 the root).
+        proposals: per request of the batch, (source tag, checked Candidates) as proposed.
+        use: [B] rows whose draft is packed (others: root only, so no trials).
+    """
+    out: list[dict[int, list[Trials]] | None] = []
+    for b in np.asarray(rows, dtype=np.int64).tolist():
+        drawn = [c for _, c in proposals[b] if c.dists is not None] if proposals else []
+        if not drawn or (use is not None and not use[b]):
+            out.append(None)
+            continue
+        s, e = int(drafts.offsets[b]), int(drafts.offsets[b + 1])
+        child = {(p + 1, t): k + 1 for k, (t, p) in
+                 enumerate(zip(drafts.tokens[s:e].tolist(), drafts.parents[s:e].tolist()))}
+        trials: dict[int, list[Trials]] = {}
+        for c in drawn:
+            where: list[int] = []  # packed index of each candidate in the merged tree (-1: dropped)
+            for t, p in zip(c.tokens.tolist(), c.parents.tolist()):
+                up = 0 if p < 0 else where[p]
+                where.append(child.get((up, t), -1) if up >= 0 else -1)
+            d = c.dists
+            for j, p in enumerate(d.parents.tolist()):
+                node = 0 if p < 0 else where[p]
+                if node < 0:
+                    continue  # the walk never reaches it
+                draws = d.draws[j][d.draws[j] >= 0]
+                kids = np.fromiter((child.get((node, x), -1) for x in draws.tolist()), np.int64, len(draws))
+                trials.setdefault(node, []).append((d.q[j], draws, kids))
+        out.append(trials or None)
+    return out
+
+
+def _speculative_trials(p: torch.Tensor, trials: Sequence[Trials], gen: torch.Generator
+                        ) -> tuple[int, int] | torch.Tensor:
+    """MSS at one node: (token, packed child or -1) if a draw is accepted, else the residual
+    distribution [V] (float64) to draw the node's token from."""
+    p = p.double()
+    for q, draws, kids in trials:
+        qd = torch.from_numpy(q).to(p.device, torch.float64)
+        for x, kid in zip(draws.tolist(), kids.tolist()):
+            u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+            if u * float(qd[x]) < float(p[x]):  # accept with probability min(1, p(x) / q(x))
+                return x, kid
+            residual = (p - qd).clamp_(min=0.0)
+            mass = float(residual.sum())
+            # mass 0 means p == q, where rejecting has probability 0: only rounding gets here
+            p = residual / mass if mass > 1e-12 else p
+    return p
+
+
 def accept_sampled(batch: TreeBatch, rows: np.ndarray, samplers: Sequence[Sampler],
                    logits_at: Callable[[np.ndarray, np.ndarray], torch.Tensor],
-                   default: torch.Generator) -> tuple[Accepted, list[str | None]]:
-    """The sampling walk for `rows` (one Sampler each), all rows one depth at a time.
+                   default: torch.Generator, trials: Sequence[dict[int, list[Trials]] | None] | None = None
+                   ) -> tuple[Accepted, list[str | None]]:
+    """The sampling walk for `rows` (one Sampler each), all rows one depth at a time; at nodes
+    holding randomly drawn candidates, multi-step speculative sampling first.
 
     Args:
         logits_at: (rows, packed indices) -> their logits [A, V].
         default: the generator of rows without their own.
+        trials: per row, packed node -> its trials (mss_trials), or None.
 
     Returns:
         the acceptance, and per row None or the error that failed it (its sampling
@@ -153,6 +254,27 @@ def accept_sampled(batch: TreeBatch, rows: np.ndarray, samplers: Sequence[Sample
             a, logits = a[good], logits[good]
             sel = torch.from_numpy(a)
             probs = processed_probs(logits, temp[sel].to(dev), top_k[sel].to(dev), top_p[sel].to(dev))
+        if trials is not None:  # multi-step speculative sampling where a source drew candidates
+            keep = np.ones(len(a), dtype=bool)
+            for j, i in enumerate(a.tolist()):
+                at = trials[i].get(int(cur[i])) if trials[i] else None
+                if not at:
+                    continue
+                got = _speculative_trials(probs[j], at, samplers[i].generator or default)
+                if isinstance(got, tuple):
+                    x, kid = got
+                    keep[j] = False
+                    if kid > 0:
+                        cur[i] = kid
+                    else:
+                        bonus[i] = x
+                        active[i] = False
+                else:
+                    probs[j] = got.to(probs.dtype)
+            if not keep.all():
+                a, probs = a[keep], probs[torch.from_numpy(keep).to(dev)]
+                if not a.size:
+                    continue
         u = _uniforms([samplers[i] for i in a], default).to(dev)
         cdf = torch.cumsum(probs.double(), dim=-1)
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)[:, 0]
