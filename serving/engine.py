@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import sssd
-from sssd.serving.acceptance import Sampler, accept_greedy, accept_sampled
+from sssd.serving.acceptance import Sampler, accept_greedy, accept_sampled, mss_trials
 from sssd.serving.backend import VerifierBackend
 from sssd.serving.detokenizer import Detokenizer
 from sssd.serving.metrics import Histogram
@@ -130,6 +130,7 @@ class StepPlan:
     started: float           # perf_counter at prepare's start
     draft_seconds: float
     launched: float = 0.0    # perf_counter when the forward pass started
+    trials: list | None = None  # [B] per row: packed node -> randomly drawn candidates' trials (acceptance.mss_trials)
 
 
 def _log(msg: str) -> None:
@@ -256,8 +257,17 @@ class LLMEngine:
 
                     out.append(RecentOutputs())
                     continue
+                if kind == "model":
+                    from sssd.serving.model_drafter import ModelDrafter
+
+                    out.append(ModelDrafter(arg, target=model_path, target_tokenizer=self.tokenizer,
+                                            slots=self.config.max_running, capacity=self.max_model_len,
+                                            dtype=self.config.dtype, device=self.config.device,
+                                            threads=self.config.threads))
+                    continue
                 raise ValueError(f"the draft source '{kind}:{arg}' is not available in this version of sssd "
-                                 f"(available: retrieval, recycle, recent, or your own sssd.DraftSource)")
+                                 f"(available: retrieval, model:<name or folder>, recycle, recent, or your own "
+                                 f"sssd.DraftSource)")
             out.append(spec)
         return out
 
@@ -504,12 +514,18 @@ class LLMEngine:
         budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
         if not budgets.any():
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
-        drafts, use = (self._draft(reqs, budgets) if budget else (None, None))
+        drafts, use, proposals = (self._draft(reqs, budgets) if budget else (None, None, None))
+        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
+        trials = None
+        if proposals is not None and any(c.dists is not None for cands in proposals for _, c in cands):
+            trials = [None] * B
+            sampled = np.flatnonzero(~greedy)
+            for b, t in zip(sampled.tolist(), mss_trials(drafts, proposals, sampled, use)):
+                trials[b] = t
         t_draft = time.perf_counter() - t0
         batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
                      np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B), drafts, use)
-        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
-        return StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft)
+        return StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials)
 
     def launch(self, plan: StepPlan) -> Any:
         """Starts the forward pass over the plan's trees."""
@@ -544,7 +560,8 @@ class LLMEngine:
                                 reqs[b].generator) for b in s]
             logits, index = out.logits, out.logit_index
             acc, errs = accept_sampled(batch, s, samplers,
-                                       lambda rows, idx: logits[torch.from_numpy(index[rows, idx])], self._generator)
+                                       lambda rows, idx: logits[torch.from_numpy(index[rows, idx])], self._generator,
+                                       None if plan.trials is None else [plan.trials[b] for b in s])
             node[s], count[s], bonus[s] = acc.node, acc.count, acc.bonus
             errors.update({int(s[j]): e for j, e in enumerate(errs) if e})
         # every accepted path's K/V down to consecutive positions, in one move
@@ -619,15 +636,17 @@ class LLMEngine:
             ids = np.fromiter((r.id for r in reqs), dtype=np.int64, count=len(reqs))
             self.drafting.observe_verified(ids[b], batch.tokens[b, i], topk[b, i])
 
-    def _draft(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None]:
-        """The merged drafts of the batch, and which rows may use theirs. A drafting failure,
-        or a tree holding ids the model does not know, costs only drafts: those rows decode
-        plainly this step."""
+    def _draft(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None, list | None]:
+        """The merged drafts of the batch, which rows may use theirs, and every source's
+        proposals per row. A drafting failure, or a tree holding ids the model does not know,
+        costs only drafts: those rows decode plainly this step."""
         try:
-            drafts = self.drafting.draft([DraftRequest(r.id, r.history(), int(b)) for r, b in zip(reqs, budgets)])
+            drafts, proposals = self.drafting.draft_with_proposals(
+                [DraftRequest(r.id, r.history(), int(b), 0.0 if r.params.greedy else r.params.temperature,
+                              r.params.top_k, r.params.top_p) for r, b in zip(reqs, budgets)])
         except Exception as e:  # noqa: BLE001
             log.warning("drafting failed for this step (%s); decoding without drafts", e)
-            return None, None
+            return None, None, None
         sizes = np.diff(drafts.offsets)
         use = budgets > 0
         if drafts.tokens.size:
@@ -640,7 +659,7 @@ class LLMEngine:
                     log.warning("request %s: the draft holds token id %d outside the model's vocabulary (%d); "
                                 "dropped", reqs[b].id, int(top[b]), self.backend.info.vocab_size)
                 use &= ~bad
-        return drafts, use
+        return drafts, use, proposals
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Appends tokens one by one, honouring stop conditions; returns those kept."""

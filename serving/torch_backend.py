@@ -128,6 +128,14 @@ class TorchBackend(VerifierBackend):
                                **{attention.STEP_KWARG: step})
         return out.last_hidden_state
 
+    def hidden_states(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
+        """Final hidden states [B, T, hidden] of one pass over slots `rows`, writing its K/V.
+
+        `batch` is a TreeBatch or anything with the same fields and methods (tokens,
+        positions, writes, kv_length, visible(), kv_positions()): a draft model lays out
+        its own trees over its slots (model_drafter)."""
+        return self._forward(rows, batch)
+
     def prefill(self, rows: slice, batch: TreeBatch) -> None:
         self._forward(rows, batch)
 

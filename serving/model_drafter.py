@@ -1,0 +1,358 @@
+"""ModelDrafter: a small causal LM drafting token trees for the target (SpecInfer's SSM).
+
+The draft spec `model:<name or folder>` makes one (sssd.LLM(model,
+draft=["retrieval", "model:qwen2.5-coder-0.5b-instruct"]), `sssd serve
+--draft retrieval,model:...`). The drafter must speak the target's tokens:
+the same tokenizer vocabulary and the same number of ids, or it is refused
+when the engine starts, naming both.
+
+Its KV cache is its own pool of per-request slots (a TorchBackend of the
+drafter, with the same pool attention as the target): a request's slot
+holds its tokens so far (the prefix, kept across steps); a step's tree is
+written after them and simply overwritten by the next step (discarded). One
+step drafts for every running request at once, in passes over the whole
+batch:
+
+1. catch up: one pass over every request's tokens not yet in its slot (the
+   whole prompt the first time, later the tokens the target accepted and its
+   bonus token); the last one is the tree's root, whose logits give q there;
+2. expand: SpecInfer's expansion-based tree <k1, ..., km>: each node at depth
+   d - 1 gets k_d children; one pass per level over the new nodes of every
+   request (each sees its prefix and its own tree ancestors) gives their q.
+   So an m-level tree costs m passes of the drafter, whatever the batch size.
+
+A greedy request's children are the k likeliest tokens of q (deterministic:
+verified by the greedy walk). A sampled request's are k independent draws
+from q processed as the target samples that request (temperature, top-k,
+top-p), its distinct tokens becoming the children; q and the draws at every
+expanded node go with them (sources.DraftDistributions), and verification
+runs SpecInfer's multi-step speculative sampling over them
+(serving.acceptance: exact for any q, also under a parent that holds
+retrieval children as well, and whatever the merge drops). Every node
+carries its real q(token | path) (Candidates.probs), which also ranks it in
+the merge, times the source's discount.
+
+A pass that fails costs that step's drafts (the pipeline logs it and the
+other sources draft); the slots stay consistent, since a request's prefix
+length advances only after its catch-up pass succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sssd.config import SourceDiscount
+from sssd.serving.acceptance import processed_probs
+from sssd.serving.tree_batch import pack_chain
+from sssd.sources import Candidates, DraftDistributions, DraftRequest, DraftSource
+
+log = logging.getLogger("sssd.drafting")
+
+#: Children per level (SpecInfer's <k1, ..., km>): two candidates for the next token, then a
+#: chain. Each level costs one drafter pass, so depth is what a drafter a third of the
+#: target's size can afford on a CPU (benchmarks/RESULTS.md, hybrid drafting).
+DEFAULT_EXPANSION = (2, 1, 1, 1)
+#: Tokens a catch-up pass feeds at most across the batch (a long prompt takes several passes).
+CATCHUP_TOKENS = 1024
+
+
+def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...]:
+    """An expansion <k1, ..., km> from "1,1,3,1" or a sequence; ValueError if malformed."""
+    parts = [p for p in text.replace(" ", "").split(",") if p] if isinstance(text, str) else list(text)
+    try:
+        ks = tuple(int(k) for k in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"an expansion is comma-separated children per level, e.g. 1,1,3,1; got {text!r}") from None
+    if not ks or any(k < 1 for k in ks) or len(ks) > 32:
+        raise ValueError(f"an expansion needs 1-32 levels of at least one child each, got {text!r}")
+    return ks
+
+
+def check_same_tokens(drafter: Path, target: Path, target_tokenizer: Any = None) -> None:
+    """Refuses a drafter whose token ids mean something else than the target's.
+
+    Raises:
+        ValueError: the tokenizers' vocabularies (token -> id) or the models' vocabulary
+            sizes (logit rows) differ; the message names both models.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    def size(path: Path) -> int:
+        c = AutoConfig.from_pretrained(path, local_files_only=True)
+        return int((getattr(c, "text_config", None) or c).vocab_size)
+
+    dv, tv = size(drafter), size(target)
+    dvocab = AutoTokenizer.from_pretrained(drafter, local_files_only=True).get_vocab()
+    tvocab = (target_tokenizer or AutoTokenizer.from_pretrained(target, local_files_only=True)).get_vocab()
+    if dv != tv or dvocab != tvocab:
+        differ = sorted(set(dvocab.items()) ^ set(tvocab.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"the draft model {drafter} does not speak the target {target}'s tokens: the drafter has a "
+            f"{len(dvocab):,}-token tokenizer and {dv:,} logits, the target a {len(tvocab):,}-token tokenizer and "
+            f"{tv:,} logits" + (f" (e.g. {differ})" if differ else "") + "; draft with a model of the same "
+            f"tokenizer (e.g. a smaller one of the target's family)")
+
+
+@dataclass
+class _Tree:
+    """One request's tree while it grows: node i sits at slot position prefix + i."""
+
+    prefix: int                  # tokens in the slot (the root is the last)
+    budget: int
+    tokens: list
+    parents: list
+    depths: list
+    probs: list
+    ancestors: list              # per node: its tree ancestors and itself (node indices)
+    dist_parents: list
+    dist_q: list
+    dist_draws: list
+
+    def add(self, parent: int, token: int, prob: float) -> int:
+        i = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.probs.append(prob)
+        self.ancestors.append(([] if parent < 0 else self.ancestors[parent]) + [i])
+        return i
+
+    def candidates(self) -> Candidates | None:
+        if not self.tokens:
+            return None
+        dists = None
+        if self.dist_parents:
+            k = max(len(d) for d in self.dist_draws)
+            draws = np.full((len(self.dist_draws), k), -1, dtype=np.int64)
+            for j, d in enumerate(self.dist_draws):
+                draws[j, : len(d)] = d
+            dists = DraftDistributions(np.asarray(self.dist_parents, np.int32), np.stack(self.dist_q), draws)
+        probs = np.clip(np.asarray(self.probs, np.float32), 0.0, 1.0)
+        return Candidates(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), probs, None, dists)
+
+
+@dataclass
+class _TreePass:
+    """The new nodes of every row's tree, laid out for TorchBackend.hidden_states: each sees
+    its row's prefix and its own ancestors, written at prefix + node index; padding queries
+    write just past the tree and see only themselves."""
+
+    tokens: np.ndarray      # [B, T]
+    positions: np.ndarray   # [B, T] model positions: prefix - 1 + depth
+    writes: np.ndarray      # [B, T] slot positions
+    kv_length: int
+    _visible: np.ndarray    # [B, T, S]
+    _kv_positions: np.ndarray  # [B, S]
+
+    def visible(self) -> np.ndarray:
+        return self._visible
+
+    def kv_positions(self) -> np.ndarray:
+        return self._kv_positions
+
+    @classmethod
+    def of(cls, trees: list[_Tree], new: list[list[int]]) -> _TreePass:
+        B = len(trees)
+        T = max(1, max(len(n) for n in new))
+        S = max(t.prefix + len(t.tokens) + T for t in trees)
+        tokens = np.zeros((B, T), np.int64)
+        positions = np.zeros((B, T), np.int64)
+        writes = np.zeros((B, T), np.int64)
+        visible = np.zeros((B, T, S), bool)
+        kv_pos = np.broadcast_to(np.arange(S), (B, S)).copy()
+        for b, (t, nodes) in enumerate(zip(trees, new)):
+            n = len(t.tokens)
+            kv_pos[b, t.prefix : t.prefix + n] = t.prefix - 1 + np.asarray(t.depths, np.int64)
+            for j in range(T):
+                if j < len(nodes):
+                    i = nodes[j]
+                    tokens[b, j] = t.tokens[i]
+                    positions[b, j] = t.prefix - 1 + t.depths[i]
+                    writes[b, j] = t.prefix + i
+                    visible[b, j, : t.prefix] = True
+                    visible[b, j, t.prefix + np.asarray(t.ancestors[i])] = True
+                else:
+                    writes[b, j] = positions[b, j] = t.prefix + n + j
+                    visible[b, j, writes[b, j]] = True
+        return cls(tokens, positions, writes, S, visible, kv_pos)
+
+
+class ModelDrafter(DraftSource):
+    """Drafts SpecInfer expansion trees with a small causal LM over its own per-request KV slots.
+
+    Args:
+        model: a model name (`sssd models list`) or a local Hugging Face model folder.
+        target: the target's model folder: refused unless the drafter speaks its tokens
+            (check_same_tokens); None skips the check.
+        target_tokenizer: the target's loaded tokenizer (saves loading it again).
+        slots: requests drafted for at once (the engine's max_running).
+        capacity: tokens per request (the engine's max_model_len).
+        expansion: children per level, <k1, ..., km> (DEFAULT_EXPANSION).
+        dtype / device / threads: how the drafter runs (as TorchBackend takes them).
+        seed: of the drafter's own random draws (sampled requests).
+        temperature: the temperature of the drafter's draws for sampled requests (None: each
+            request's own; any q keeps sampling exact, a closer one is accepted more).
+        discount: its weight in the merge.
+        name: in per-source metrics (default "model:<folder name>").
+
+    Raises:
+        ValueError: not a causal LM folder or registered name, or another tokenizer.
+    """
+
+    def __init__(self, model: str | Path, *, target: str | Path | None = None, target_tokenizer: Any = None,
+                 slots: int = 32, capacity: int = 2048, expansion: Sequence[int] | str = DEFAULT_EXPANSION,
+                 dtype: str = "float32", device: str | None = None, threads: int | None = None, seed: int = 0,
+                 temperature: float | None = None, discount: SourceDiscount | None = None, name: str | None = None):
+        from sssd.models import resolve_model
+        from sssd.serving.torch_backend import TorchBackend
+
+        path = Path(resolve_model(str(model)))
+        if target is not None:
+            check_same_tokens(path, Path(target), target_tokenizer)
+        self.expansion = parse_expansion(expansion)
+        if temperature is not None and not temperature > 0:
+            raise ValueError(f"the drafter's temperature must be > 0 (None: each request's), got {temperature!r}")
+        self.temperature = temperature
+        self.path = path
+        self.name = name or f"model:{path.name}"
+        if discount is not None:
+            self.discount = discount
+        self.backend = TorchBackend(path, slots=slots, capacity=capacity, dtype=dtype, device=device, threads=threads)
+        self.capacity = min(capacity, self.backend.info.max_positions)
+        self._owner: list[int | None] = [None] * slots   # slot -> request id
+        self._slot: dict[int, int] = {}                  # request id -> slot
+        self._cached: dict[int, int] = {}                # request id -> tokens in its slot
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.passes = 0                                  # forward passes so far (for benchmarks)
+
+    def __repr__(self) -> str:
+        return f"ModelDrafter({str(self.path)!r}, expansion={list(self.expansion)})"
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def open(self, request_id: int, prompt: np.ndarray) -> None:
+        if request_id in self._slot:
+            self.close(request_id)
+        try:
+            s = self._owner.index(None)
+        except ValueError:
+            raise RuntimeError(f"all {len(self._owner)} draft-model slots are taken") from None
+        self._owner[s] = request_id
+        self._slot[request_id] = s
+        self._cached[request_id] = 0
+
+    def close(self, request_id: int) -> None:
+        s = self._slot.pop(request_id, None)
+        if s is not None:
+            self._owner[s] = None
+        self._cached.pop(request_id, None)
+
+    def _arrange(self, request_ids: list[int]) -> None:
+        """Moves the requests to slots 0..n-1 in order (one pass reads its slots as a slice)."""
+        for i, rid in enumerate(request_ids):
+            s = self._slot[rid]
+            if s == i:
+                continue
+            other = self._owner[i]
+            self.backend.swap(s, i, max(self._cached[rid], self._cached.get(other, 0) if other is not None else 0))
+            self._owner[s], self._owner[i] = other, rid
+            self._slot[rid] = i
+            if other is not None:
+                self._slot[other] = s
+
+    # -- drafting ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Candidates | None]:
+        out: list[Candidates | None] = [None] * len(requests)
+        # a tree (and the padding of a pass) needs room past the prefix
+        todo = [k for k, r in enumerate(requests) if r.request_id in self._slot and r.budget > 0
+                and len(r.tokens) + 2 * r.budget + 1 <= self.capacity]
+        if not todo:
+            return out
+        reqs = [requests[k] for k in todo]
+        self._arrange([r.request_id for r in reqs])
+        hidden = self._catch_up(reqs)
+        trees = [_Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], []) for r in reqs]
+        frontier: list[list[int]] = [[-1] for _ in reqs]  # nodes whose q `hidden` gives, per row (-1: the root)
+        sampled = [r.temperature >= 1e-5 for r in reqs]
+        for level, k in enumerate(self.expansion, start=1):
+            new = self._expand(reqs, trees, frontier, hidden, k, sampled)
+            if level == len(self.expansion) or not any(new):
+                break
+            h = self.backend.hidden_states(slice(0, len(reqs)), _TreePass.of(trees, new))
+            self.passes += 1
+            b = np.repeat(np.arange(len(reqs)), [len(n) for n in new])
+            j = np.concatenate([np.arange(len(n)) for n in new])
+            hidden = h[torch.from_numpy(b), torch.from_numpy(j)]
+            frontier = new
+        for k, t in zip(todo, trees):
+            out[k] = t.candidates()
+        return out
+
+    def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:
+        """Feeds every request's tokens not yet in its slot; the hidden state at each root [B, H]."""
+        B = len(reqs)
+        n = np.array([len(r.tokens) for r in reqs], dtype=np.int64)
+        # at least the root is fed (its logits are the first level's q)
+        start = np.minimum(np.array([self._cached[r.request_id] for r in reqs], dtype=np.int64), n - 1)
+        # propose leaves room for 2 * budget + 1 past every prefix: padding stays inside the slots
+        cap = min(max(8, CATCHUP_TOKENS // B), self.capacity - int(n.max()))
+        while True:
+            end = np.minimum(n, start + cap)
+            last = bool((end == n).all())
+            # rows already done re-feed their root (the same K/V again) until the long ones are in
+            lo = np.where(start < n, start, n - 1)
+            hi = np.where(start < n, end, n)
+            chunks = [np.asarray(r.tokens[a:b], dtype=np.int64) for r, a, b in zip(reqs, lo, hi)]
+            h = self.backend.hidden_states(slice(0, B), pack_chain(lo, chunks))
+            self.passes += 1
+            for r, b in zip(reqs, hi):
+                self._cached[r.request_id] = int(b)
+            start = hi
+            if last:
+                idx = torch.from_numpy(np.array([len(c) - 1 for c in chunks], dtype=np.int64))
+                return h[torch.arange(B), idx]
+
+    def _expand(self, reqs: list[DraftRequest], trees: list[_Tree], frontier: list[list[int]],
+                hidden: torch.Tensor, k: int, sampled: list[bool]) -> list[list[int]]:
+        """Gives every frontier node up to k children (within each tree's budget); the new nodes."""
+        logits = self.backend.logits(hidden)                        # [F, V]
+        owner = np.repeat(np.arange(len(reqs)), [len(f) for f in frontier])
+        q = torch.softmax(logits, dim=-1)
+        top = torch.topk(q, min(k, q.shape[-1]), dim=-1)
+        top_tok, top_p = top.indices.numpy(), top.values.numpy()
+        srows = np.flatnonzero(np.asarray(sampled)[owner])
+        qs: dict[int, torch.Tensor] = {}
+        draws: dict[int, np.ndarray] = {}
+        if srows.size:
+            rs = [reqs[owner[j]] for j in srows]
+            processed = processed_probs(
+                logits[torch.from_numpy(srows)],
+                torch.tensor([self.temperature or r.temperature for r in rs], dtype=torch.float32),
+                torch.tensor([r.top_k for r in rs], dtype=torch.int64),
+                torch.tensor([r.top_p for r in rs], dtype=torch.float32))
+            drawn = torch.multinomial(processed, k, replacement=True, generator=self._gen).numpy()
+            for m, j in enumerate(srows.tolist()):
+                qs[j], draws[j] = processed[m], drawn[m]
+        new: list[list[int]] = [[] for _ in reqs]
+        j = 0
+        for b, nodes in enumerate(frontier):
+            t = trees[b]
+            for node in nodes:
+                room = t.budget - len(t.tokens)
+                if room > 0 and j in qs:
+                    row = qs[j]
+                    kids = list(dict.fromkeys(draws[j].tolist()))[:room]  # distinct, in drawing order
+                    t.dist_parents.append(node)
+                    t.dist_q.append(row.numpy())
+                    t.dist_draws.append(draws[j])
+                    new[b] += [t.add(node, x, float(row[x])) for x in kids]
+                elif room > 0:
+                    new[b] += [t.add(node, int(x), float(p)) for x, p in zip(top_tok[j][:room], top_p[j][:room])]
+                j += 1
+        return new

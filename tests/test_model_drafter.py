@@ -1,0 +1,310 @@
+"""Model drafters (serving.model_drafter) and multi-step speculative sampling (serving.acceptance).
+
+Greedy: a model source, alone or beside retrieval, leaves outputs token-identical to
+plain decoding, and a model drafting for itself is accepted at every node of its main
+chain. Sampling: MSS over randomly drawn candidates is exact: chi-square against the
+brute-force distribution on a small vocabulary (mixed parents and dropped draws
+included), and against the model's own probabilities through the engine, on a tiny
+model and on SmolLM2 at temperature 0.7 and 1.0. Bad drafters: another tokenizer is
+refused at start, and one that fails while running costs only its drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from sssd.serving.acceptance import Sampler, accept_sampled, mss_trials
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.model_drafter import ModelDrafter, parse_expansion
+from sssd.serving.params import SamplingParams
+from sssd.serving.tree_batch import pack
+from sssd.sources import Candidates, DraftDistributions
+from sssd.tree import DraftBatch
+
+from tiny_models import tiny_model
+
+SMOL = "smollm2-135m-instruct"
+PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("target") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def near_llama(llama, tmp_path_factory):
+    """The target with its weights perturbed: a drafter close to it but not equal (q != p)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_model(tmp_path_factory.mktemp("drafter") / "llama", "llama")  # the tokenizer files
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llama):
+    eng = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=256))
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))]
+
+
+def engine(model, draft, **cfg):
+    cfg.setdefault("max_model_len", 256)
+    return LLMEngine(model, datastore=None, draft=draft, config=EngineConfig(**cfg))
+
+
+# -- multi-step speculative sampling against a brute-force reference --------------------------------------
+
+V = 6  # a vocabulary small enough to enumerate every two-token continuation
+
+
+def test_mss_draws_exactly_from_the_target_on_a_small_vocabulary():
+    """Rows of random trees over V tokens: a model source's draws (3 at the root, 2 under each
+    drawn child, from q != p), a deterministic child at the root (a mixed parent, sometimes
+    holding a drawn token too), and the merge dropping some drawn nodes (their draws still
+    take part, as bonus tokens). The first token must follow p(root) and the second
+    p(. | first) wherever the walk went on: chi-square against the exact probabilities."""
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    p_logits = {(): rng.normal(0, 1.2, V)}
+    q_rows = {(): _softmax(rng.normal(0, 1.2, V))}
+    for t in range(V):
+        p_logits[(t,)] = rng.normal(0, 1.2, V)
+        q_rows[(t,)] = _softmax(rng.normal(0, 1.2, V))
+    n = 12000
+    offsets, toks, pars, proposals = [0], [], [], []
+    for _ in range(n):
+        m_tok, m_par, d_par, d_q, d_draws = [], [], [], [], []
+        root_draws = rng.choice(V, 3, p=q_rows[()])
+        d_par.append(-1), d_q.append(q_rows[()]), d_draws.append(root_draws)
+        for x in dict.fromkeys(root_draws.tolist()):
+            m_tok.append(x), m_par.append(-1)
+            i = len(m_tok) - 1
+            below = rng.choice(V, 2, p=q_rows[(x,)])
+            d_par.append(i), d_q.append(q_rows[(x,)]), d_draws.append(below)
+            for y in dict.fromkeys(below.tolist()):
+                m_tok.append(y), m_par.append(i)
+        # the merged tree: a deterministic root child, then the drawn nodes the merge kept
+        merged_tok, merged_par, where = [int(rng.integers(V))], [-1], {}
+        for i, (t, p) in enumerate(zip(m_tok, m_par)):
+            if rng.random() < 0.25 or (p >= 0 and p not in where):
+                continue  # dropped (and everything below it)
+            up = -1 if p < 0 else where[p]
+            same = [k for k, (t2, p2) in enumerate(zip(merged_tok, merged_par)) if t2 == t and p2 == up]
+            if same:
+                where[i] = same[0]
+            else:
+                where[i] = len(merged_tok)
+                merged_tok.append(t), merged_par.append(up)
+        toks += merged_tok
+        pars += merged_par
+        offsets.append(len(toks))
+        draws = np.full((len(d_draws), 3), -1)
+        for j, d in enumerate(d_draws):
+            draws[j, : len(d)] = d
+        dists = DraftDistributions(np.array(d_par), np.stack(d_q).astype(np.float32), draws)
+        proposals.append([(2, Candidates(np.array(m_tok), np.array(m_par), dists=dists).check(V))])
+    N = len(toks)
+    tokens = np.array(toks, np.int64)
+    parents = np.array(pars, np.int32)
+    depths = np.where(parents < 0, 1, 2).astype(np.int32)
+    drafts = DraftBatch(np.array(offsets, np.int64), tokens, parents, depths, np.ones(N, np.float32),
+                        np.zeros(N, np.uint8), np.full(N, np.nan, np.float32))
+    batch = pack(np.zeros(n, np.int64), np.zeros(n, np.int64), drafts)
+    rows = np.arange(n)
+    trials = mss_trials(drafts, proposals, rows)
+    table = torch.tensor(np.stack([p_logits[()]] + [p_logits[(t,)] for t in range(V)]), dtype=torch.float32)
+
+    def logits_at(r, idx):  # the target's logits at a packed node: by its path's first token
+        first = np.where(idx == 0, -1, np.where(batch.parents[r, idx] > 0, batch.tokens[r, batch.parents[r, idx]],
+                                                 batch.tokens[r, idx]))
+        return table[torch.from_numpy(first + 1)]
+
+    samplers = [Sampler(1.0, 0, 1.0, None) for _ in rows]
+    acc, errors = accept_sampled(batch, rows, samplers, logits_at, gen, trials)
+    assert not any(errors)
+    path = acc.path_mask(batch)
+    first = np.where(acc.count >= 1, batch.tokens[rows, np.argmax(path, axis=1)], acc.bonus)
+    second_known = acc.count >= 1
+    second = np.where(acc.count >= 2, batch.tokens[rows, acc.node], acc.bonus)
+    assert (acc.count >= 1).mean() > 0.4, "most rows should accept a drafted token"
+
+    p_root = _softmax(p_logits[()])
+    obs1 = np.bincount(first, minlength=V)
+    assert stats.chisquare(obs1, p_root * n).pvalue > 1e-3
+    assert stats.chisquare(obs1, q_rows[()] * n).pvalue < 1e-3  # power: q is not p
+    obs2 = np.zeros((V, V))
+    np.add.at(obs2, (first[second_known], second[second_known]), 1)
+    exp2 = obs2.sum(axis=1, keepdims=True) * np.stack([_softmax(p_logits[(t,)]) for t in range(V)])
+    keep = exp2 > 5
+    assert stats.chisquare(obs2[keep], exp2[keep] * obs2[keep].sum() / exp2[keep].sum()).pvalue > 1e-3
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_mss_trials_find_draws_by_path_in_the_merged_tree():
+    """A drawn token the merge kept maps to its node, one it dropped to -1; an expanded node the
+    merge dropped has no trials (the walk never gets there)."""
+    q = np.full((3, 4), 0.25, np.float32)
+    dists = DraftDistributions(np.array([-1, 0, 1]), q, np.array([[2, 2, 3], [1, -1, -1], [0, -1, -1]]))
+    cands = Candidates(np.array([2, 1, 0, 3]), np.array([-1, 0, 1, -1]), dists=dists).check(4)
+    # merged: root -> 3 (retrieval), root -> 2 (drawn); the merge dropped token 1 under 2
+    drafts = DraftBatch(np.array([0, 2]), np.array([3, 2]), np.array([-1, -1], np.int32), np.array([1, 1], np.int32),
+                        np.ones(2, np.float32), np.zeros(2, np.uint8), np.full(2, np.nan, np.float32))
+    [t] = mss_trials(drafts, [[(2, cands)]], np.array([0]))
+    assert set(t) == {0, 2}  # the root and token 2's node; token 1's draws are never reached
+    (_, draws, kids), = t[0]
+    assert draws.tolist() == [2, 2, 3] and kids.tolist() == [2, 2, 1]
+    (_, draws, kids), = t[2]
+    assert draws.tolist() == [1] and kids.tolist() == [-1]
+
+
+# -- the engine with a model source -----------------------------------------------------------------
+
+def test_parse_expansion():
+    assert parse_expansion("1,1,3,1") == (1, 1, 3, 1) and parse_expansion([2, 1]) == (2, 1)
+    for bad in ("", "0,1", "a", "1,-1"):
+        with pytest.raises(ValueError, match="expansion"):
+            parse_expansion(bad)
+
+
+@pytest.mark.parametrize("draft", [["model:{d}"], ["retrieval", "model:{d}"]])
+def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_outputs, draft):
+    eng = engine(llama, [s.format(d=near_llama) for s in draft], budget=6, max_running=3)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert eng.metrics.accepted_by_source.get(f"model:{near_llama.name}", 0) > 0
+
+
+def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
+    eng = engine(llama, [ModelDrafter(llama, target=llama, slots=4, capacity=256, expansion=(2, 1, 1))],
+                 budget=8, max_running=4)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    for o in outs:
+        assert all(a == 3 for a in o.stats["accepted_per_step"][:-1]), o.stats["accepted_per_step"]
+
+
+def test_smollm2_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain():
+    """The issue's invariant, on the real model through the public API."""
+    import sssd
+
+    prompts = [[{"role": "user", "content": "Name three colours."}], "The capital of France is"]
+    plain = sssd.LLM(SMOL, datastore=None, draft=[], max_running=2, max_model_len=256)
+    ref = plain.generate(prompts, sssd.SamplingParams(max_tokens=17))
+    llm = sssd.LLM(SMOL, datastore=None, draft=[f"model:{SMOL}"], budget=8, max_running=2, max_model_len=256)
+    outs = llm.generate(prompts, sssd.SamplingParams(max_tokens=17))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    depth = len(llm.engine.drafting.external[0].expansion)
+    for o in outs:
+        steps = o.stats["accepted_per_step"]
+        assert all(a == depth for a in steps[:-1]) and len(steps) < len(o.token_ids) / 2, steps
+
+
+def test_seeded_sampling_with_a_model_source_is_reproducible(llama, near_llama):
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
+              for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20)])]
+    runs = [engine(llama, ["retrieval", f"model:{near_llama}"], budget=6, max_running=3).generate(PROMPTS[:3], params)
+            for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert sum(o.stats["accepted"] for o in runs[0]) > 0
+
+
+def two_token_probs(model, prompt, temperature, top1=6, top2=4):
+    """p(t1) p(t2 | t1) for the likeliest pairs, from Hugging Face's own forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(ref(torch.tensor(prompt)[None]).logits[0, -1] / temperature, -1)
+        out = {}
+        for t1 in torch.topk(p1, top1).indices.tolist():
+            p2 = torch.softmax(ref(torch.tensor(prompt + [t1])[None]).logits[0, -1] / temperature, -1)
+            for t2 in torch.topk(p2, top2).indices.tolist():
+                out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+def chi_square_pvalue(outs, joint) -> float:
+    n = len(outs)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    keys = list(joint)
+    observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
+    expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def test_sampled_sequences_with_a_model_source_follow_the_models_distribution(llama, near_llama):
+    """A drafter close to the target but not equal, beside retrieval: 2-token continuations
+    against the target's exact p(t1) p(t2 | t1)."""
+    temperature, prompt = 1.5, PROMPTS[1]
+    joint = two_token_probs(llama, prompt, temperature)
+    eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=64, capacity=256,
+                                                   expansion=(3, 2))], budget=8, max_running=64)
+    n = 3000
+    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
+                                       for s in range(n)])
+    assert sum(o.stats["accepted"] for o in outs) > n // 3, "many tokens should come from the tree"
+    assert chi_square_pvalue(outs, joint) > 1e-3
+    assert chi_square_pvalue(outs, two_token_probs(llama, prompt, temperature * 1.25)) < 1e-3  # the test has power
+
+
+@pytest.mark.parametrize("temperature, draft_temperature", [(0.7, 1.0), (1.0, 0.7)])
+def test_smollm2_sampling_with_mss_follows_its_distribution(temperature, draft_temperature):
+    """SmolLM2 drafting for itself at another temperature (q != p): 2-token continuations
+    against its exact probabilities (MSS at the root, then the target's own draw)."""
+    from sssd.models import resolve_model
+
+    path = resolve_model(SMOL, pull_missing=False)
+    src = ModelDrafter(path, slots=64, capacity=32, expansion=(2,), temperature=draft_temperature)
+    eng = engine(path, [src], budget=2, max_running=64, max_model_len=32)
+    prompt = eng.encode("The weather")
+    joint = two_token_probs(path, prompt, temperature, top1=5, top2=3)
+    n = 384
+    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
+                                       for s in range(n)])
+    assert sum(o.stats["accepted"] for o in outs) > n // 3
+    assert chi_square_pvalue(outs, joint) > 1e-3
+
+
+# -- bad drafters -------------------------------------------------------------------------------------
+
+def test_a_drafter_with_another_tokenizer_is_refused_naming_both(llama):
+    with pytest.raises(ValueError, match=rf"draft model .*{SMOL}.* does not speak the target .*{llama.name}"):
+        engine(llama, [f"model:{SMOL}"])
+
+
+def test_a_drafter_failing_at_run_time_costs_only_its_drafts(llama, near_llama, plain_outputs, caplog):
+    src = ModelDrafter(near_llama, target=llama, slots=3, capacity=256)
+    real = src.backend.hidden_states
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] % 7 == 0:  # some steps fail, in the middle of a tree or catching up
+            raise RuntimeError("the draft model fell over")
+        return real(*args)
+
+    src.backend.hidden_states = flaky
+    eng = engine(llama, ["retrieval", src], budget=6, max_running=3)
+    with caplog.at_level(logging.WARNING, logger="sssd.drafting"):
+        outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert all(o.finish_reason == "length" for o in outs)
+    assert "fell over" in caplog.text
+    assert eng.metrics.accepted_by_source.get(src.name, 0) > 0  # it drafted again after failing
