@@ -289,7 +289,8 @@ def _serve(model, tmp_path, *args):
     (["--drafter", "/nonexistent.json"], "no such file"),
     (["--host", "no-such-host.invalid"], "cannot resolve"),
     (["--api-key", ""], "--api-key is empty"),
-    (["--draft", "retrieval,model:tiny"], "available: retrieval, recycle, recent"),
+    (["--draft", "retrieval,self:snapkv"], "available: retrieval, model:<name or folder>, recycle, recent"),
+    (["--draft", "retrieval,model:tiny"], "--draft model:tiny: unknown model"),
     (["--draft", "recycle:x"], "malformed draft source"),
 ])
 def test_serve_refuses_bad_arguments_before_loading_anything(model, tmp_path, args, message):

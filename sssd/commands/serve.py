@@ -13,7 +13,7 @@ from sssd.cli import command
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: Draft sources `sssd serve --draft` accepts (sssd.sources' spec grammar names more).
-SERVABLE_SOURCES = ("retrieval", "recycle", "recent")
+SERVABLE_SOURCES = ("retrieval", "model", "recycle", "recent")
 
 
 @command("serve", help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
@@ -52,6 +52,8 @@ def setup(p: argparse.ArgumentParser):
                    help="fixed draft budget (default: the planner chooses per batch size)")
     p.add_argument("--draft", default="retrieval",
                    help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens), "
+                        "model:NAME or model:FOLDER (a small model with the target's tokenizer drafting token "
+                        "trees, e.g. model:qwen2.5-coder-0.5b-instruct for Qwen2.5-Coder-1.5B), "
                         "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
                         "tokens), recent (other requests' recent outputs); 'none' serves without speculation")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
@@ -113,7 +115,9 @@ def validate(args: argparse.Namespace) -> None:
         for spec in parse_specs(args.draft):  # ValueError naming the known kinds
             if spec[0] not in SERVABLE_SOURCES:
                 raise ValueError(f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
-                                 f"version of sssd (available: {', '.join(SERVABLE_SOURCES)})")
+                                 f"version of sssd (available: retrieval, model:<name or folder>, recycle, recent)")
+            if spec[0] == "model":
+                _draft_model(spec[1])
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (unset SSSD_API_KEY or give a key)")
     model = Path(args.model).expanduser()
@@ -140,6 +144,22 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--enable-admin on {args.host} needs --api-key: the admin endpoints open paths on this "
                          f"machine's disk (SECURITY.md)")
     _check_bindable(args.host, args.port)
+
+
+def _draft_model(spec: str) -> None:
+    """Refuses a draft model that is neither a model folder nor a registered name (its tokenizer
+    is checked against the target's when the engine starts)."""
+    path = Path(spec).expanduser()
+    if path.exists() or os.sep in spec:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--draft model:{spec}: not a Hugging Face model folder (no config.json)")
+        return
+    from sssd.models import get_spec
+
+    try:
+        get_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"--draft model:{spec}: {e}") from None
 
 
 def _datastores(args: argparse.Namespace) -> None:
