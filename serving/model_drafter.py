@@ -29,8 +29,17 @@ expanded node go with them (sources.DraftDistributions), and verification
 runs SpecInfer's multi-step speculative sampling over them
 (serving.acceptance: exact for any q, also under a parent that holds
 retrieval children as well, and whatever the merge drops). Every node
-carries its real q(token | path) (Candidates.probs), which also ranks it in
-the merge, times the source's discount.
+carries its real q(token | path) (Candidates.probs).
+
+In the merge, a node ranks by its measured acceptance rate, not by q: how
+often the target's token at a node of depth d - 1 equals the drafter's
+rank-r child there, per (d, r), counted from the tokens each request
+appends after every step (extend walks them down the request's last tree,
+whether or not the merge kept its nodes), shrunk toward q by RATE_PRIOR
+pseudo-observations. Retrieval's calibrated priorities are acceptance
+probabilities too, so the two sources compare (times the discount); raw q
+undersells a drafter whose top choice the target shares (SmolLM2 drafting
+for itself: q of its argmax is often 0.4, accepted every time).
 
 A pass that fails costs that step's drafts (the pipeline logs it and the
 other sources draft); the slots stay consistent, since a request's prefix
@@ -40,6 +49,7 @@ length advances only after its catch-up pass succeeded.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,6 +70,10 @@ log = logging.getLogger("sssd.drafting")
 DEFAULT_EXPANSION = (2, 1, 1, 1)
 #: Tokens a catch-up pass feeds at most across the batch (a long prompt takes several passes).
 CATCHUP_TOKENS = 1024
+#: Pseudo-observations of a node's own q in its measured acceptance rate (its merge weight).
+RATE_PRIOR = 8.0
+#: Deepest level and highest child rank with a rate of their own (deeper ones share the last).
+RATE_DEPTHS, RATE_RANKS = 16, 8
 
 
 def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...]:
@@ -114,6 +128,9 @@ class _Tree:
     dist_q: list
     dist_draws: list
 
+    ranks: list
+    kids: dict                   # parent node (-1: root) -> number of children so far
+
     def add(self, parent: int, token: int, prob: float) -> int:
         i = len(self.tokens)
         self.tokens.append(token)
@@ -121,11 +138,19 @@ class _Tree:
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.probs.append(prob)
         self.ancestors.append(([] if parent < 0 else self.ancestors[parent]) + [i])
+        self.ranks.append(self.kids.get(parent, 0))
+        self.kids[parent] = self.ranks[-1] + 1
         return i
 
-    def candidates(self) -> Candidates | None:
+    def candidates(self, rates: np.ndarray) -> Candidates | None:
+        """The tree as Candidates, each weighted by its (depth, rank) acceptance rate [depth, rank]."""
         if not self.tokens:
             return None
+        d = np.minimum(np.asarray(self.depths), RATE_DEPTHS) - 1
+        r = np.minimum(np.asarray(self.ranks), RATE_RANKS - 1)
+        seen, hit = rates[0][d, r], rates[1][d, r]
+        q = np.clip(np.asarray(self.probs, np.float64), 0.0, 1.0)
+        weights = ((hit + RATE_PRIOR * q) / (seen + RATE_PRIOR)).astype(np.float32)
         dists = None
         if self.dist_parents:
             k = max(len(d) for d in self.dist_draws)
@@ -133,8 +158,25 @@ class _Tree:
             for j, d in enumerate(self.dist_draws):
                 draws[j, : len(d)] = d
             dists = DraftDistributions(np.asarray(self.dist_parents, np.int32), np.stack(self.dist_q), draws)
-        probs = np.clip(np.asarray(self.probs, np.float32), 0.0, 1.0)
-        return Candidates(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), probs, None, dists)
+        return Candidates(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), q.astype(np.float32),
+                          weights, dists)
+
+    def observe(self, appended: np.ndarray, rates: np.ndarray) -> None:
+        """Counts, down the path the target took (the tokens appended after this tree), which
+        rank of each reached node's children held the target's token (if any)."""
+        child = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
+        node = -1
+        for tok in np.asarray(appended).tolist():
+            n = self.kids.get(node, 0)
+            if not n:
+                return
+            depth = min(0 if node < 0 else self.depths[node], RATE_DEPTHS - 1)
+            rates[0][depth, : min(n, RATE_RANKS)] += 1
+            nxt = child.get((node, tok))
+            if nxt is None:
+                return
+            rates[1][depth, min(self.ranks[nxt], RATE_RANKS - 1)] += 1
+            node = nxt
 
 
 @dataclass
@@ -229,7 +271,11 @@ class ModelDrafter(DraftSource):
         self._slot: dict[int, int] = {}                  # request id -> slot
         self._cached: dict[int, int] = {}                # request id -> tokens in its slot
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self._last: dict[int, _Tree] = {}                # request id -> its last tree (for the rates)
+        #: [seen, hit] per (depth - 1, child rank): children offered at reached nodes, and the target's choices
+        self.rates = np.zeros((2, RATE_DEPTHS, RATE_RANKS), np.float64)
         self.passes = 0                                  # forward passes so far (for benchmarks)
+        self._seconds: dict[int, float] = {}             # batch bucket -> smoothed seconds per propose
 
     def __repr__(self) -> str:
         return f"ModelDrafter({str(self.path)!r}, expansion={list(self.expansion)})"
@@ -246,11 +292,36 @@ class ModelDrafter(DraftSource):
         self._slot[request_id] = s
         self._cached[request_id] = 0
 
+    def extend(self, request_id: int, tokens: np.ndarray) -> None:
+        tree = self._last.pop(request_id, None)
+        if tree is not None:
+            tree.observe(tokens, self.rates)
+
+    def acceptance_rates(self) -> np.ndarray:
+        """[depth, rank] the measured rate at which the target's token is the rank-r child of a
+        reached node at that depth (NaN where nothing was seen)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.rates[1] / self.rates[0]
+
     def close(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
         s = self._slot.pop(request_id, None)
         if s is not None:
             self._owner[s] = None
         self._cached.pop(request_id, None)
+
+    def draft_seconds(self, batch: int, profile: Any = None, target_params: int | None = None) -> float:
+        """Seconds this drafter adds to a step of `batch` requests (the planner's cost): measured
+        (smoothed, per power-of-two batch bucket) once it has drafted at that size; before that,
+        one target pass per level over the level's nodes (the target's forward profile), scaled
+        by the drafter's share of the target's parameters."""
+        key = 1 << max(0, int(batch) - 1).bit_length()
+        if key in self._seconds:
+            return self._seconds[key]
+        if profile is None or not target_params:
+            return 0.0
+        ratio = self.backend.info.shape.get("params", target_params) / target_params
+        return ratio * sum(profile.time(batch, k) for k in (1, *self.expansion[:-1]))
 
     def _arrange(self, request_ids: list[int]) -> None:
         """Moves the requests to slots 0..n-1 in order (one pass reads its slots as a slice)."""
@@ -275,9 +346,10 @@ class ModelDrafter(DraftSource):
         if not todo:
             return out
         reqs = [requests[k] for k in todo]
+        started = time.perf_counter()
         self._arrange([r.request_id for r in reqs])
         hidden = self._catch_up(reqs)
-        trees = [_Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], []) for r in reqs]
+        trees = [_Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], [], [], {}) for r in reqs]
         frontier: list[list[int]] = [[-1] for _ in reqs]  # nodes whose q `hidden` gives, per row (-1: the root)
         sampled = [r.temperature >= 1e-5 for r in reqs]
         for level, k in enumerate(self.expansion, start=1):
@@ -290,8 +362,12 @@ class ModelDrafter(DraftSource):
             j = np.concatenate([np.arange(len(n)) for n in new])
             hidden = h[torch.from_numpy(b), torch.from_numpy(j)]
             frontier = new
-        for k, t in zip(todo, trees):
-            out[k] = t.candidates()
+        for k, r, t in zip(todo, reqs, trees):
+            out[k] = t.candidates(self.rates)
+            self._last[r.request_id] = t
+        key = 1 << max(0, len(reqs) - 1).bit_length()
+        took = time.perf_counter() - started
+        self._seconds[key] = took if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * took
         return out
 
     def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:

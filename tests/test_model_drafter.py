@@ -196,6 +196,10 @@ def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain
     assert [o.token_ids for o in outs] == plain_outputs
     for o in outs:
         assert all(a == 3 for a in o.stats["accepted_per_step"][:-1]), o.stats["accepted_per_step"]
+    src = eng.drafting.external[0]
+    rates = src.acceptance_rates()
+    assert (rates[:3, 0] == 1).all() and (rates[:1, 1] == 0).all()  # the argmax child, never the runner-up
+    assert src.draft_seconds(4) > 0  # measured, for the planner
 
 
 def test_smollm2_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain():
