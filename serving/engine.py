@@ -206,7 +206,8 @@ class LLMEngine:
         from sssd.serving.planner import BudgetPlanner
 
         self.planner = BudgetPlanner.create(self.config, speculate=self.drafting is not None,
-                                            calibration=self.drafter_configs, profile=self._profile)
+                                            calibration=self.drafter_configs, profile=self._profile,
+                                            draft_cost=self._draft_cost())
         self.waiting: deque[Request] = deque()
         self.slots: list[Request] = []   # slots[:num_decode] decode, the rest prefill
         self.num_decode = 0
@@ -219,6 +220,16 @@ class LLMEngine:
 
     def _profile(self):
         return self.backend.profile(log=_log, force=self.config.reprofile)
+
+    def _draft_cost(self):
+        """What the draft sources' own forward passes add to a step, for the planner (None: nothing):
+        the sum of their `draft_seconds(batch, target profile, target parameters)`."""
+        costly = [s for s in (self.drafting.external if self.drafting is not None else [])
+                  if callable(getattr(s, "draft_seconds", None))]
+        if not costly:
+            return None
+        params = self.backend.info.shape.get("params")
+        return lambda batch, profile: sum(s.draft_seconds(batch, profile, params) for s in costly)
 
     def check_datastore(self, datastore: Any) -> sssd.Datastore:
         """Opens a datastore (a Datastore, directory, archive or "default"), checks that it speaks the

@@ -18,6 +18,14 @@ none. On a CPU, verifying 2-4 tokens costs little more than one, while 17
 cost several times as much: small budgets matter. Where no budget beats
 plain decoding, it returns 0.
 
+A draft model costs forward passes of its own every speculating step
+(serving.model_drafter): the planner adds its estimate of that cost,
+d(B) (the sources' `draft_seconds`: measured per batch size once the
+drafter has run, before that its depth times the target's pass scaled by
+the two models' sizes), to every budget above 0:
+
+    b* = argmax_b  B * MAT(b) / (t(B, b + 1) + d(B) [b > 0])
+
 That model is a prior. Real steps cost more than the profiled forward pass
 (drafting, packing, acceptance), and the real acceptance differs from the
 calibration set's, so the planner also measures. Per batch-size bucket
@@ -72,11 +80,15 @@ class BudgetPlanner:
         prior_steps: pseudo-steps of the calibrated MAT in each budget's MAT estimate (8: a budget the
             calibration expects to pay survives a run of unlucky first steps; one that really loses
             is given up after a few dozen steps).
+        draft_cost: (batch size, profile) -> seconds the draft sources' own forward passes add
+            to a speculating step (draft models); None: drafting is free beside the target.
     """
 
     def __init__(self, fixed: int | None, mat: dict[int, float] | None = None, profile: ForwardProfile | None = None,
-                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 128, prior_steps: float = 8.0):
+                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 128, prior_steps: float = 8.0,
+                 draft_cost: Callable[[int, ForwardProfile], float] | None = None):
         self.fixed = fixed
+        self.draft_cost = draft_cost
         known = dict(mat or DEFAULT_MAT)
         self.mat = interpolate_mat(known, max(known))
         self.profile = profile
@@ -91,19 +103,21 @@ class BudgetPlanner:
 
     @classmethod
     def create(cls, config, speculate: bool, calibration: Any,
-               profile: Callable[[], ForwardProfile]) -> BudgetPlanner:
+               profile: Callable[[], ForwardProfile],
+               draft_cost: Callable[[int, ForwardProfile], float] | None = None) -> BudgetPlanner:
         """The planner an engine runs with: no speculation, a fixed budget, or planned
         (the profile is asked for only then).
 
         Args:
             calibration: what the engine drafts with (a CalibrationFile: its entries' MAT;
                 a DrafterConfig or None: the built-in estimates).
+            draft_cost: what draft models add to a speculating step (see __init__).
         """
         if not speculate or not config.speculate:
             return cls(fixed=0)
         if config.budget is not None:
             return cls(fixed=config.budget)
-        return cls(fixed=None, mat=mat_from_calibration(calibration), profile=profile())
+        return cls(fixed=None, mat=mat_from_calibration(calibration), profile=profile(), draft_cost=draft_cost)
 
     @property
     def max_budget(self) -> int:
@@ -111,7 +125,10 @@ class BudgetPlanner:
 
     def expected_rate(self, batch: int, budget: int) -> float:
         """Expected tokens per second at this batch size and budget (the model)."""
-        return batch * self.mat[budget] / self.profile.time(batch, budget + 1)
+        seconds = self.profile.time(batch, budget + 1)
+        if budget > 0 and self.draft_cost is not None:
+            seconds += self.draft_cost(batch, self.profile)
+        return batch * self.mat[budget] / seconds
 
     def model_budget(self, batch: int) -> int:
         """The budget the model (profile x calibrated MAT) expects to be fastest."""

@@ -200,3 +200,14 @@ def test_sssd_plan_prints_a_labelled_projection(capsys):
     out = capsys.readouterr().out
     assert out.startswith("PROJECTION (roofline, not measured)") and "2.05-2.61x" in out
     assert main(["plan", "--efficiency", "2"]) == 1
+
+
+def test_a_draft_models_cost_enters_the_plan():
+    """A draft model's passes cost as much as a target pass per level: free drafts pay at batch 1,
+    the same drafts behind four extra passes do not."""
+    mats = {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}
+    free = BudgetPlanner(None, mats, linear_profile(0.05, 0.0002), adaptive=False)
+    costly = BudgetPlanner(None, mats, linear_profile(0.05, 0.0002), adaptive=False,
+                           draft_cost=lambda batch, profile: 4 * profile.time(batch, 1))
+    assert free.budget(1) > 0 and costly.budget(1) == 0
+    assert costly.expected_rate(1, 8) < free.expected_rate(1, 8) and costly.expected_rate(1, 0) == free.expected_rate(1, 0)
