@@ -11,9 +11,23 @@ Quick use::
     drafter = sssd.Drafter(datastore)      # stateful, batched, for engines
 """
 
+import os as _os
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from sssd import _core
+# The core's OpenMP runtime (the system libgomp, not the copy torch bundles)
+# reads its wait policy once, as the extension loads. Its default spins at
+# every barrier; beside a busy core (torch's threads, another process) a
+# spinning worker holds the core its partner needs, and a 2-thread suffix
+# sort ran 8-18x slower than on one thread (benchmarks/RESULTS.md). So it
+# sleeps instead, unless the user chose a policy; the variable is restored
+# afterwards, so torch's own runtime keeps its default.
+_policy = _os.environ.get("OMP_WAIT_POLICY")
+_os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+try:
+    from sssd import _core
+finally:
+    if _policy is None:
+        del _os.environ["OMP_WAIT_POLICY"]
 from sssd._core import SSSDError, UnknownRequestError
 from sssd.config import (
     Calibration,
