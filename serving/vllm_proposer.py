@@ -18,7 +18,12 @@ The proposer reads its datastore and drafter settings from the environment
 (vLLM constructs it in each worker process):
 
     SSSD_VLLM_DATASTORE   datastore directory, "default", or "none" (default: "default")
-    SSSD_VLLM_DRAFTER     drafter config / `sssd calibrate` file (default: built-in defaults)
+    SSSD_VLLM_DRAFTER     drafter config or `sssd calibrate` file; "default" (the default):
+                          the packaged calibration when its fingerprint matches the model
+                          and datastore, else the built-in defaults. A calibration file
+                          drafts with its entry for the tree budget, and one calibrated
+                          for another datastore, tokenizer or model is replaced by the
+                          defaults with a warning naming what differs.
     SSSD_VLLM_MIN_SCORE   cut each chain where a node's score (its expected acceptance,
                           a path probability) falls below this (default 0.1; an empty
                           chain skips speculation for that row this step)
@@ -37,6 +42,25 @@ from typing import Any
 import numpy as np
 
 import sssd
+from sssd.calibration_file import CalibrationFile, drafter_config_for, entries_of, load_drafter, select_entry
+
+
+def _calibration(spec: str, datastore: Any, model: Any) -> sssd.DrafterConfig | CalibrationFile:
+    """SSSD_VLLM_DRAFTER's drafter: "default" is the packaged calibration where its fingerprint
+    matches (else the defaults); a calibration file for another setup falls back to the defaults."""
+    if spec == "default":
+        from sssd.paths import packaged_calibration
+
+        path = packaged_calibration(model, datastore) if model and datastore is not None else None
+        return load_drafter(path)
+    drafter = load_drafter(spec)
+    if isinstance(drafter, CalibrationFile) and model:
+        return drafter.checked_or_defaults(datastore, model)
+    return drafter
+
+
+def _default_budget(drafter: sssd.DrafterConfig | CalibrationFile) -> int:
+    return drafter.default_budget if isinstance(drafter, CalibrationFile) else drafter.budget
 
 
 def chain_length(batch: int, k: int) -> int:
@@ -64,11 +88,13 @@ class SSSDProposer:
             from sssd.tokenizer import check_compatible
 
             check_compatible(datastore, model_path)
-        drafter_spec = os.environ.get("SSSD_VLLM_DRAFTER")
-        config = sssd.DrafterConfig.load(drafter_spec) if drafter_spec else sssd.DrafterConfig()
         vocab = getattr(vllm_config.model_config, "get_vocab_size", lambda: None)()
-        self.drafter = sssd.Drafter(datastore, config.replace(use_datastore=datastore is not None, vocab_size=vocab))
-        self.tree_budget = max(config.budget, 2 * self.k)
+        calibration = _calibration(os.environ.get("SSSD_VLLM_DRAFTER", "default"), datastore, model_path)
+        fix = dict(use_datastore=datastore is not None, vocab_size=vocab)
+        entries = {b: c.replace(**fix) for b, c in entries_of(calibration).items()}
+        self.tree_budget = max(_default_budget(calibration), 2 * self.k)
+        self.config = entries[select_entry(list(entries), self.tree_budget)]  # the entry for the tree budget
+        self.drafter = sssd.Drafter(datastore, drafter_config_for(entries))
         self.min_score = float(os.environ.get("SSSD_VLLM_MIN_SCORE", "0.1"))
         self.rows: dict[int, np.ndarray] = {}  # row -> the context the drafter holds for it
 
@@ -101,7 +127,7 @@ class SSSDProposer:
         if not rows:
             return out
         k = min(self.k, chain_length(batch, self.k))
-        drafts = self.drafter.draft(rows, self.tree_budget)
+        drafts = self.drafter.draft(rows, self.tree_budget, config=self.config)
         offsets, nodes = drafts.best_chains()
         for i, row in enumerate(rows):
             chain = drafts.offsets[i] + nodes[offsets[i] : offsets[i + 1]][:k]

@@ -21,6 +21,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import sssd
+from sssd.calibration_file import CalibrationFile
+from sssd.paths import packaged_calibration_file
 from sssd.serving import vllm_compare
 from sssd.serving.vllm_proposer import SSSDProposer, chain_length
 
@@ -28,12 +31,31 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("SSSD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
-def _proposer(monkeypatch, k=4, min_score=0.0):
+def _proposer(monkeypatch, k=4, min_score=0.0, model=None):
     monkeypatch.setenv("SSSD_VLLM_DATASTORE", "none")
     monkeypatch.setenv("SSSD_VLLM_MIN_SCORE", str(min_score))
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                          model_config=SimpleNamespace(model=None, get_vocab_size=lambda: 1000))
+                          model_config=SimpleNamespace(model=model, get_vocab_size=lambda: 1000))
     return SSSDProposer(cfg)
+
+
+def test_proposer_drafts_with_the_calibration_entry_of_its_tree_budget(monkeypatch):
+    path = packaged_calibration_file()
+    monkeypatch.setenv("SSSD_VLLM_DRAFTER", str(path))
+    cal = CalibrationFile.load(path)
+    for k, tree_budget in ((4, 32), (20, 40)):  # the tree budget is max(default budget, 2K)
+        prop = _proposer(monkeypatch, k=k)
+        assert prop.tree_budget == tree_budget
+        want = cal.entries[cal.entry_budget(tree_budget)].replace(use_datastore=False, vocab_size=1000)
+        assert prop.config == want
+
+
+def test_proposer_refuses_a_calibration_for_another_setup(monkeypatch, caplog):
+    monkeypatch.setenv("SSSD_VLLM_DRAFTER", str(packaged_calibration_file()))
+    with caplog.at_level("WARNING", logger="sssd.calibration"):
+        prop = _proposer(monkeypatch, model="smollm2-135m-instruct")  # calibrated with a datastore; here none
+    assert "calibrated for another setup" in caplog.text and "datastore" in caplog.text
+    assert prop.config == sssd.DrafterConfig().replace(use_datastore=False, vocab_size=1000)
 
 
 def _rows(contexts, width=64):
