@@ -140,15 +140,40 @@ def evaluate(trials: list[Trial], examples: Sequence[Example], datastore_path: s
     return trials
 
 
+#: MATs closer than this (relative) to the best are ties, broken towards the base config.
+TIE = 1e-3
+
+
+def _leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            out.update(_leaves(getattr(obj, f.name), f"{prefix}{f.name}."))
+        return out
+    return {prefix: obj}
+
+
+def changes_from(config: DrafterConfig, base: DrafterConfig) -> int:
+    """How many parameters (nested ones included) of `config` differ from `base`."""
+    a, b = _leaves(config), _leaves(base)
+    return sum(a[k] != b.get(k) for k in a)
+
+
 @dataclass
 class SearchResult:
     trials: list[Trial] = field(default_factory=list)
+    base: DrafterConfig = field(default_factory=DrafterConfig)
 
     def best(self, budget: int) -> Trial:
+        """The trial with the highest MAT at `budget`; among those within TIE of it, the one
+        that changes the fewest parameters of the base config: the development data has not
+        shown the others to be better, so the defaults stand."""
         at = [t for t in self.trials if t.budget == budget]
         if not at:
             raise KeyError(f"no trials at budget {budget}")
-        return max(at, key=lambda t: t.mat)
+        top = max(t.mat for t in at)
+        tied = [t for t in at if t.mat >= top * (1 - TIE)]
+        return min(tied, key=lambda t: (changes_from(t.config, self.base), -t.mat))
 
 
 def staged_search(examples: Sequence[Example], datastore_path: str | Path, budgets: Sequence[int], axes: GridAxes,
@@ -158,7 +183,7 @@ def staged_search(examples: Sequence[Example], datastore_path: str | Path, budge
     if not budgets:
         raise ValueError("no budgets to calibrate for")
     base = base or DrafterConfig()
-    result = SearchResult()
+    result = SearchResult(base=base)
     stage1 = [Trial(c, b, stage="query") for b in budgets for c in axes.query_points(base)]
     evaluate(stage1, examples, datastore_path, workers, (lambda d, t: progress("query parameters", d, t)) if progress else None)
     result.trials += stage1

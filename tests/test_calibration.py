@@ -264,3 +264,20 @@ def test_a_heldout_file_linked_out_of_the_datastore_is_refused(tmp_path):
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FileNotFoundError, match="not a plain file name inside the datastore folder"):
         heldout_file(tmp_path / "ds")
+
+
+def test_grid_ties_keep_the_defaults():
+    from sssd.calibration.grid import TIE, SearchResult, changes_from
+
+    base = sssd.DrafterConfig()
+    off = base.replace(datastore_branch_per_match=0.0)  # adaptive depth off: one parameter changed
+    two = off.replace(max_samples=base.max_samples + 1)
+    assert changes_from(base, base) == 0 and changes_from(off, base) == 1 and changes_from(two, base) == 2
+    # listed first and equal (or within TIE): the defaults still win
+    result = SearchResult([Trial(two, 16, mat=3.0), Trial(off, 16, mat=3.0), Trial(base, 16, mat=3.0 * (1 - TIE / 2))])
+    assert result.best(16).config == base
+    # better by more than TIE: the change is taken, the fewest changes first among the tied
+    result = SearchResult([Trial(two, 16, mat=3.1), Trial(off, 16, mat=3.1), Trial(base, 16, mat=3.0)])
+    assert result.best(16).config == off
+    with pytest.raises(KeyError):
+        result.best(8)
