@@ -41,6 +41,17 @@ probabilities too, so the two sources compare (times the discount); raw q
 undersells a drafter whose top choice the target shares (SmolLM2 drafting
 for itself: q of its argmax is often 0.4, accepted every time).
 
+Beside retrieval the drafter defers to it (sources.DraftSource
+defers_to_retrieval): it drafts only for the requests where retrieval's
+tree promises so few accepted tokens A_r that the drafter's expected A_m
+(expected_accepted: its tree's nodes weighted by the measured rates) pays
+for its passes, 1 + A_m > (1 + A_r)(1 + c), where c is the drafter's cost
+relative to a target pass: levels x the models' parameter ratio
+(worth_below). A step where retrieval has long confident matches for the
+whole batch (a prompt being copied) then costs no drafter pass, and a
+drafter as large as the target never drafts beside retrieval
+(complement=False drafts always).
+
 A pass that fails costs that step's drafts (the pipeline logs it and the
 other sources draft); the slots stay consistent, since a request's prefix
 length advances only after its catch-up pass succeeded.
@@ -111,6 +122,21 @@ def check_same_tokens(drafter: Path, target: Path, target_tokenizer: Any = None)
             f"{len(dvocab):,}-token tokenizer and {dv:,} logits, the target a {len(tvocab):,}-token tokenizer and "
             f"{tv:,} logits" + (f" (e.g. {differ})" if differ else "") + "; draft with a model of the same "
             f"tokenizer (e.g. a smaller one of the target's family)")
+
+
+def _param_estimate(path: Path) -> float:
+    """Weights of a decoder from its config (embeddings, attention and MLP per layer): enough to
+    compare two models' pass costs without loading either."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path, local_files_only=True)
+    c = getattr(c, "text_config", None) or c
+    h, layers = c.hidden_size, c.num_hidden_layers
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", c.num_attention_heads) * head
+    inter = getattr(c, "intermediate_size", 4 * h)
+    attn = h * c.num_attention_heads * head * 2 + h * kv * 2
+    return float(c.vocab_size * h + layers * (attn + 3 * h * inter))
 
 
 @dataclass
@@ -242,6 +268,7 @@ class ModelDrafter(DraftSource):
             request's own; any q keeps sampling exact, a closer one is accepted more).
         discount: its weight in the merge.
         name: in per-source metrics (default "model:<folder name>").
+        complement: beside retrieval, draft only where retrieval promises less (see above).
 
     Raises:
         ValueError: not a causal LM folder or registered name, or another tokenizer.
@@ -250,17 +277,22 @@ class ModelDrafter(DraftSource):
     def __init__(self, model: str | Path, *, target: str | Path | None = None, target_tokenizer: Any = None,
                  slots: int = 32, capacity: int = 2048, expansion: Sequence[int] | str = DEFAULT_EXPANSION,
                  dtype: str = "float32", device: str | None = None, threads: int | None = None, seed: int = 0,
-                 temperature: float | None = None, discount: SourceDiscount | None = None, name: str | None = None):
+                 temperature: float | None = None, discount: SourceDiscount | None = None, name: str | None = None,
+                 complement: bool = True):
         from sssd.models import resolve_model
         from sssd.serving.torch_backend import TorchBackend
 
         path = Path(resolve_model(str(model)))
+        #: the drafter's parameters over the target's (1 without a target): what one pass costs
+        self.size_ratio = 1.0
         if target is not None:
             check_same_tokens(path, Path(target), target_tokenizer)
+            self.size_ratio = _param_estimate(path) / _param_estimate(Path(target))
         self.expansion = parse_expansion(expansion)
         if temperature is not None and not temperature > 0:
             raise ValueError(f"the drafter's temperature must be > 0 (None: each request's), got {temperature!r}")
         self.temperature = temperature
+        self.defers_to_retrieval = bool(complement)
         self.path = path
         self.name = name or f"model:{path.name}"
         if discount is not None:
@@ -272,6 +304,7 @@ class ModelDrafter(DraftSource):
         self._cached: dict[int, int] = {}                # request id -> tokens in its slot
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
         self._last: dict[int, _Tree] = {}                # request id -> its last tree (for the rates)
+        self._length: dict[int, int] = {}                # request id -> its tokens so far (prompt + appended)
         #: [seen, hit] per (depth - 1, child rank): children offered at reached nodes, and the target's choices
         self.rates = np.zeros((2, RATE_DEPTHS, RATE_RANKS), np.float64)
         self.passes = 0                                  # forward passes so far (for benchmarks)
@@ -291,11 +324,42 @@ class ModelDrafter(DraftSource):
         self._owner[s] = request_id
         self._slot[request_id] = s
         self._cached[request_id] = 0
+        self._length[request_id] = len(prompt)
 
     def extend(self, request_id: int, tokens: np.ndarray) -> None:
         tree = self._last.pop(request_id, None)
-        if tree is not None:
+        length = self._length.get(request_id)
+        if tree is not None and tree.prefix == length:  # the tree of this step, not of an earlier one
             tree.observe(tokens, self.rates)
+        if length is not None:
+            self._length[request_id] = length + len(tokens)
+
+    def worth_below(self, budget: int) -> float:
+        """The retrieval promise A_r below which this drafter's tree pays for its passes:
+        (1 + A_m) / (1 + c) - 1 (module docstring)."""
+        cost = len(self.expansion) * self.size_ratio
+        return (1.0 + self.expected_accepted(budget)) / (1.0 + cost) - 1.0
+
+    def expected_accepted(self, budget: int) -> float:
+        """Accepted tokens this drafter's tree of `budget` nodes is expected to get: the sum over
+        its nodes of their paths' products of measured (depth, rank) rates, each rate shrunk
+        toward a prior of 0.5 for the first child and 0.1 for the others."""
+        seen, hit = self.rates
+        prior = np.where(np.arange(RATE_RANKS) == 0, 0.5, 0.1)[None, :]
+        rate = (hit + RATE_PRIOR * prior) / (seen + RATE_PRIOR)
+        total, level, nodes = 0.0, [1.0], 0
+        for depth, k in enumerate(self.expansion):
+            d = min(depth, RATE_DEPTHS - 1)
+            nxt = []
+            for w in level:
+                for r in range(k):
+                    if nodes >= budget:
+                        return total
+                    nxt.append(w * rate[d, min(r, RATE_RANKS - 1)])
+                    total += nxt[-1]
+                    nodes += 1
+            level = nxt
+        return total
 
     def acceptance_rates(self) -> np.ndarray:
         """[depth, rank] the measured rate at which the target's token is the rank-r child of a
@@ -305,6 +369,7 @@ class ModelDrafter(DraftSource):
 
     def close(self, request_id: int) -> None:
         self._last.pop(request_id, None)
+        self._length.pop(request_id, None)
         s = self._slot.pop(request_id, None)
         if s is not None:
             self._owner[s] = None

@@ -181,6 +181,12 @@ class DraftSource(abc.ABC):
     returns malformed candidates, costs only that step's drafts of the
     requests concerned: the engine logs it and decodes them plainly.
 
+    A costly source (a draft model: forward passes every step) may set
+    `defers_to_retrieval`: beside retrieval it is then asked only for the
+    requests where retrieval's own tree promises fewer accepted tokens (the
+    sum of its nodes' priorities) than the source's `worth_below`, and a
+    step where it is asked for none costs it nothing.
+
     Attributes:
         name: reported in per-source acceptance metrics.
         discount: the source's weight in the merge (scale, depth decay).
@@ -192,6 +198,13 @@ class DraftSource(abc.ABC):
     name: str = "custom"
     discount: SourceDiscount = SourceDiscount()
     observe_topk: int = 0
+    defers_to_retrieval: bool = False
+
+    def worth_below(self, budget: int) -> float:
+        """For a deferring source: the accepted tokens a retrieval tree of `budget` nodes may
+        promise at most for this source's drafts to still pay for their cost; the default:
+        always worth it."""
+        return float("inf")
 
     def open(self, request_id: int, prompt: np.ndarray) -> None:
         """A request starts, with its prompt."""
@@ -463,9 +476,18 @@ class DraftPipeline:
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         external = None
         per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
+        alone = promised = None  # retrieval's own trees, and what each promises (for deferring sources)
+        if self.retrieval and any(s.defers_to_retrieval for s in self.external):
+            alone = draft_with_entries(self.drafter, self.entries, ids, budgets, None)
+            promised = np.zeros(len(requests))
+            has = alone.sizes > 0
+            if has.any():
+                promised[has] = np.add.reduceat(alone.scores.astype(np.float64), alone.offsets[:-1][has])
         if self.external:
             for i, s in enumerate(self.external):
-                asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
+                asked = [r for k, r in enumerate(requests) if r.budget > 0 and (i, r.request_id) not in self._failed
+                         and (promised is None or not s.defers_to_retrieval
+                              or promised[k] < s.worth_below(r.budget))]
                 if not asked:
                     continue
                 try:
@@ -485,6 +507,8 @@ class DraftPipeline:
                         log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
                                     s.name, r.request_id, e)
             external = _concat_candidates(per_request)
+        if alone is not None and not any(per_request):
+            return alone, per_request  # nothing to merge beside retrieval's own trees
         return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
 
 

@@ -23,7 +23,7 @@ from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.model_drafter import ModelDrafter, parse_expansion
 from sssd.serving.params import SamplingParams
 from sssd.serving.tree_batch import pack
-from sssd.sources import Candidates, DraftDistributions
+from sssd.sources import Candidates, DraftDistributions, DraftSource
 from sssd.tree import DraftBatch
 
 from tiny_models import tiny_model
@@ -181,12 +181,49 @@ def test_parse_expansion():
             parse_expansion(bad)
 
 
-@pytest.mark.parametrize("draft", [["model:{d}"], ["retrieval", "model:{d}"]])
-def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_outputs, draft):
-    eng = engine(llama, [s.format(d=near_llama) for s in draft], budget=6, max_running=3)
+@pytest.mark.parametrize("retrieval", [False, True])
+def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_outputs, retrieval):
+    if retrieval:  # drafting always (a drafter as large as its target otherwise defers to retrieval)
+        draft = ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256, complement=False)]
+    else:
+        draft = [f"model:{near_llama}"]  # the spec string, resolved by the engine
+    eng = engine(llama, draft, budget=6, max_running=3)
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
     assert eng.metrics.accepted_by_source.get(f"model:{near_llama.name}", 0) > 0
+
+
+class Deferring(DraftSource):
+    """A costly source that pays below a given retrieval promise."""
+
+    name, defers_to_retrieval = "deferring", True
+
+    def __init__(self, below):
+        self.below, self.asked = below, []
+
+    def worth_below(self, budget):
+        return self.below
+
+    def propose(self, requests):
+        self.asked += [r.request_id for r in requests]
+        return [Candidates(np.array([50]), np.array([-1])) for _ in requests]
+
+
+def test_a_costly_source_drafts_only_where_retrieval_promises_too_little():
+    """Request 1 continues a datastore phrase (retrieval promises much), request 2 nothing."""
+    import sssd
+    from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
+
+    ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
+    for below, asked in ((0.5, [2]), (-1.0, []), (float("inf"), [1, 2])):
+        src = Deferring(below)
+        pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93)
+        pipe.open(1, np.array([4, 5, 6, 7]))
+        pipe.open(2, np.array([80, 81]))
+        batch, proposals = pipe.draft_with_proposals([DraftRequest(1, np.array([4, 5, 6, 7]), 8),
+                                                      DraftRequest(2, np.array([80, 81]), 8)])
+        assert src.asked == asked, below
+        assert (batch.sizes[0] > 0) and ((batch.sizes[1] > 0) == (2 in asked))
 
 
 def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
@@ -221,8 +258,9 @@ def test_smollm2_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain
 def test_seeded_sampling_with_a_model_source_is_reproducible(llama, near_llama):
     params = [SamplingParams(max_tokens=20, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
               for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20)])]
-    runs = [engine(llama, ["retrieval", f"model:{near_llama}"], budget=6, max_running=3).generate(PROMPTS[:3], params)
-            for _ in range(2)]
+    runs = [engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256,
+                                                     complement=False)],
+                   budget=6, max_running=3).generate(PROMPTS[:3], params) for _ in range(2)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert sum(o.stats["accepted"] for o in runs[0]) > 0
 
@@ -259,7 +297,7 @@ def test_sampled_sequences_with_a_model_source_follow_the_models_distribution(ll
     temperature, prompt = 1.5, PROMPTS[1]
     joint = two_token_probs(llama, prompt, temperature)
     eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=64, capacity=256,
-                                                   expansion=(3, 2))], budget=8, max_running=64)
+                                                   expansion=(3, 2), complement=False)], budget=8, max_running=64)
     n = 3000
     outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
                                        for s in range(n)])
@@ -294,7 +332,7 @@ def test_a_drafter_with_another_tokenizer_is_refused_naming_both(llama):
 
 
 def test_a_drafter_failing_at_run_time_costs_only_its_drafts(llama, near_llama, plain_outputs, caplog):
-    src = ModelDrafter(near_llama, target=llama, slots=3, capacity=256)
+    src = ModelDrafter(near_llama, target=llama, slots=3, capacity=256, complement=False)
     real = src.backend.hidden_states
     calls = {"n": 0}
 
