@@ -44,7 +44,7 @@ from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
 from sssd.recent_outputs import RecentOutputs
-from sssd.sources import Candidates, DraftRequest, DraftSource, RetrievalSource
+from sssd.sources import Candidates, DraftDistributions, DraftRequest, DraftSource, RetrievalSource
 from sssd.token_recycling import TokenRecycling
 from sssd.tree import DraftBatch, DraftTree, ancestor_mask
 
@@ -64,6 +64,10 @@ def __getattr__(name: str):
         from sssd.serving.params import SamplingParams
 
         return SamplingParams
+    if name == "ModelDrafter":
+        from sssd.serving.model_drafter import ModelDrafter
+
+        return ModelDrafter
     raise AttributeError(f"module 'sssd' has no attribute {name!r}")
 
 
@@ -73,13 +77,14 @@ def build_info() -> dict:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"LLM", "SamplingParams"})
+    return sorted(set(globals()) | {"LLM", "ModelDrafter", "SamplingParams"})
 
 
 __all__ = [
     "Calibration",
     "CalibrationFile",
     "Candidates",
+    "DraftDistributions",
     "DraftRequest",
     "DraftSource",
     "RecentOutputs",
@@ -99,6 +104,7 @@ __all__ = [
     "Drafter",
     "DrafterConfig",
     "LLM",
+    "ModelDrafter",
     "SSSDError",
     "SamplingParams",
     "SourceDiscount",
