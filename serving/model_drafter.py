@@ -42,15 +42,13 @@ undersells a drafter whose top choice the target shares (SmolLM2 drafting
 for itself: q of its argmax is often 0.4, accepted every time).
 
 Beside retrieval the drafter defers to it (sources.DraftSource
-defers_to_retrieval): it drafts only for the requests where retrieval's
-tree promises so few accepted tokens A_r that the drafter's expected A_m
-(expected_accepted: its tree's nodes weighted by the measured rates) pays
-for its passes, 1 + A_m > (1 + A_r)(1 + c), where c is the drafter's cost
-relative to a target pass: levels x the models' parameter ratio
-(worth_below). A step where retrieval has long confident matches for the
-whole batch (a prompt being copied) then costs no drafter pass, and a
-drafter as large as the target never drafts beside retrieval
-(complement=False drafts always).
+defers_to_retrieval): it drafts only in steps where its expected accepted
+tokens (expected_accepted: its tree's nodes weighted by the measured
+rates) beside retrieval's promises pay for its passes, whose cost
+relative to a target pass (relative_cost) is its levels times the models'
+parameter ratio. A step where retrieval has long confident matches (a
+prompt being copied) then costs no drafter pass, and a drafter as large as
+the target never drafts beside retrieval (complement=False drafts always).
 
 A pass that fails costs that step's drafts (the pipeline logs it and the
 other sources draft); the slots stay consistent, since a request's prefix
@@ -334,11 +332,10 @@ class ModelDrafter(DraftSource):
         if length is not None:
             self._length[request_id] = length + len(tokens)
 
-    def worth_below(self, budget: int) -> float:
-        """The retrieval promise A_r below which this drafter's tree pays for its passes:
-        (1 + A_m) / (1 + c) - 1 (module docstring)."""
-        cost = len(self.expansion) * self.size_ratio
-        return (1.0 + self.expected_accepted(budget)) / (1.0 + cost) - 1.0
+    @property
+    def relative_cost(self) -> float:
+        """A step's drafter passes in target passes: levels x the parameter ratio."""
+        return len(self.expansion) * self.size_ratio
 
     def expected_accepted(self, budget: int) -> float:
         """Accepted tokens this drafter's tree of `budget` nodes is expected to get: the sum over
@@ -462,7 +459,7 @@ class ModelDrafter(DraftSource):
     def _expand(self, reqs: list[DraftRequest], trees: list[_Tree], frontier: list[list[int]],
                 hidden: torch.Tensor, k: int, sampled: list[bool]) -> list[list[int]]:
         """Gives every frontier node up to k children (within each tree's budget); the new nodes."""
-        logits = self.backend.logits(hidden)                        # [F, V]
+        logits = self.backend.logits(hidden).cpu()                  # [F, V]: drawn on the CPU, like the target's tokens
         owner = np.repeat(np.arange(len(reqs)), [len(f) for f in frontier])
         q = torch.softmax(logits, dim=-1)
         top = torch.topk(q, min(k, q.shape[-1]), dim=-1)

@@ -182,10 +182,14 @@ class DraftSource(abc.ABC):
     requests concerned: the engine logs it and decodes them plainly.
 
     A costly source (a draft model: forward passes every step) may set
-    `defers_to_retrieval`: beside retrieval it is then asked only for the
-    requests where retrieval's own tree promises fewer accepted tokens (the
-    sum of its nodes' priorities) than the source's `worth_below`, and a
-    step where it is asked for none costs it nothing.
+    `defers_to_retrieval`: beside retrieval it is then asked only in steps
+    where it pays. Retrieval's own trees are drafted first; each promises
+    A_r accepted tokens (the sum of its nodes' priorities), the source
+    A_s (`expected_accepted`) at a cost of c target passes
+    (`relative_cost`); the step asks it, for every request (a pass costs
+    about the same for one request as for the batch), when
+    sum(1 + max(A_r, A_s)) > (1 + c) sum(1 + A_r) over the batch. A step it
+    sits out costs it nothing.
 
     Attributes:
         name: reported in per-source acceptance metrics.
@@ -200,11 +204,12 @@ class DraftSource(abc.ABC):
     observe_topk: int = 0
     defers_to_retrieval: bool = False
 
-    def worth_below(self, budget: int) -> float:
-        """For a deferring source: the accepted tokens a retrieval tree of `budget` nodes may
-        promise at most for this source's drafts to still pay for their cost; the default:
-        always worth it."""
-        return float("inf")
+    relative_cost: float = 0.0
+
+    def expected_accepted(self, budget: int) -> float:
+        """For a deferring source: the draft tokens its tree of `budget` nodes is expected to get
+        accepted (the default: as many as it may hold)."""
+        return float(budget)
 
     def open(self, request_id: int, prompt: np.ndarray) -> None:
         """A request starts, with its prompt."""
@@ -485,9 +490,9 @@ class DraftPipeline:
                 promised[has] = np.add.reduceat(alone.scores.astype(np.float64), alone.offsets[:-1][has])
         if self.external:
             for i, s in enumerate(self.external):
-                asked = [r for k, r in enumerate(requests) if r.budget > 0 and (i, r.request_id) not in self._failed
-                         and (promised is None or not s.defers_to_retrieval
-                              or promised[k] < s.worth_below(r.budget))]
+                asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
+                if promised is not None and s.defers_to_retrieval and not _pays(s, requests, promised):
+                    continue  # retrieval alone promises more tokens per second
                 if not asked:
                     continue
                 try:
@@ -510,6 +515,17 @@ class DraftPipeline:
         if alone is not None and not any(per_request):
             return alone, per_request  # nothing to merge beside retrieval's own trees
         return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
+
+
+def _pays(source: DraftSource, requests: Sequence[DraftRequest], promised: np.ndarray) -> bool:
+    """Whether a deferring source's drafts beside retrieval's promise more tokens per step than
+    its cost takes away (DraftSource's docstring)."""
+    drafting = [k for k, r in enumerate(requests) if r.budget > 0]
+    if not drafting:
+        return False
+    alone = sum(1.0 + promised[k] for k in drafting)
+    both = sum(1.0 + max(promised[k], source.expected_accepted(requests[k].budget)) for k in drafting)
+    return both > (1.0 + source.relative_cost) * alone
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:

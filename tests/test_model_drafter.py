@@ -194,15 +194,15 @@ def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_
 
 
 class Deferring(DraftSource):
-    """A costly source that pays below a given retrieval promise."""
+    """A costly source expecting 2 accepted tokens at a given cost (in target passes)."""
 
     name, defers_to_retrieval = "deferring", True
 
-    def __init__(self, below):
-        self.below, self.asked = below, []
+    def __init__(self, cost):
+        self.relative_cost, self.asked = cost, []
 
-    def worth_below(self, budget):
-        return self.below
+    def expected_accepted(self, budget):
+        return 2.0
 
     def propose(self, requests):
         self.asked += [r.request_id for r in requests]
@@ -210,20 +210,25 @@ class Deferring(DraftSource):
 
 
 def test_a_costly_source_drafts_only_where_retrieval_promises_too_little():
-    """Request 1 continues a datastore phrase (retrieval promises much), request 2 nothing."""
+    """Request 1 continues a datastore phrase (retrieval promises about 3 tokens), request 2
+    nothing: a cheap source drafts for both (one pass costs about the same), a dear one for
+    neither; request 1 alone is not worth even a cheap one."""
     import sssd
     from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
 
     ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
-    for below, asked in ((0.5, [2]), (-1.0, []), (float("inf"), [1, 2])):
-        src = Deferring(below)
+    for cost, asked in ((0.3, [1, 2]), (5.0, []), (0.0, [1, 2])):
+        src = Deferring(cost)
         pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93)
         pipe.open(1, np.array([4, 5, 6, 7]))
         pipe.open(2, np.array([80, 81]))
         batch, proposals = pipe.draft_with_proposals([DraftRequest(1, np.array([4, 5, 6, 7]), 8),
                                                       DraftRequest(2, np.array([80, 81]), 8)])
-        assert src.asked == asked, below
+        assert src.asked == asked, cost
         assert (batch.sizes[0] > 0) and ((batch.sizes[1] > 0) == (2 in asked))
+        src.asked = []
+        pipe.draft_with_proposals([DraftRequest(1, np.array([4, 5, 6, 7]), 8)])
+        assert src.asked == [], cost  # retrieval alone promises more than the source could add
 
 
 def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
