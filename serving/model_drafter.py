@@ -119,7 +119,7 @@ def check_same_tokens(drafter: Path, target: Path, target_tokenizer: Any = None)
             f"the draft model {drafter} does not speak the target {target}'s tokens: the drafter has a "
             f"{len(dvocab):,}-token tokenizer and {dv:,} logits, the target a {len(tvocab):,}-token tokenizer and "
             f"{tv:,} logits" + (f" (e.g. {differ})" if differ else "") + "; draft with a model of the same "
-            f"tokenizer (e.g. a smaller one of the target's family)")
+            "tokenizer (e.g. a smaller one of the target's family)")
 
 
 def _param_estimate(path: Path) -> float:

@@ -553,4 +553,5 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
             "sources": cat(tags, np.uint8)}
 
 
-__all__ = ["Candidates", "DraftDistributions", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS", "parse_spec", "parse_specs"]
+__all__ = ["Candidates", "DraftDistributions", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource",
+           "SPEC_KINDS", "parse_spec", "parse_specs"]
