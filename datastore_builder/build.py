@@ -179,7 +179,8 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
             # 3. index.
             t0 = time.perf_counter()
             _check_space(tmp, tokens.shape[0])
-            with bars.bar("sort", unit=" suffixes", unit_scale=True) as sbar:
+            # The sort reports only its start and end: a ticking bar shows that it runs.
+            with bars.bar("sort", unit=" suffixes", unit_scale=True) as sbar, _ticking(sbar):
                 def sort_progress(done: int, total: int) -> None:
                     sbar.total = total
                     sbar.n = done
@@ -418,6 +419,28 @@ def terminate_as_interrupt():
 
 
 # -- progress bars ------------------------------------------------------------------------
+
+@contextmanager
+def _ticking(bar, every: float = 0.5):
+    """Redraws `bar` (its elapsed time) every `every` seconds while the body runs, for work
+    that reports no progress of its own (the native call releases the GIL)."""
+    if getattr(bar, "disable", True):
+        yield
+        return
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="sssd-build-ticker", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+
 
 class _Bars:
     """tqdm bars on stderr, only when it is a terminal and progress is wanted."""

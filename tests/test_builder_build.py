@@ -554,3 +554,24 @@ def test_memoized_tokenization_gives_the_same_stream(tmp_path):
     for batch_docs in (1, 7, 64, 1000):  # repeats inside a batch and across batches
         np.testing.assert_array_equal(tokenize_documents(docs, tok, batch_docs=batch_docs), want)
     np.testing.assert_array_equal(want, expected_stream(tmp_path / "tokenizer.json", docs))
+
+
+def test_a_step_without_progress_of_its_own_keeps_its_bar_ticking():
+    # The suffix sort reports only its start and end; its bar is redrawn meanwhile.
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from sssd.datastore_builder.build import _ticking
+
+    out = io.StringIO()
+    bar = tqdm(desc="sort", total=10, file=out, disable=False, mininterval=0)
+    with _ticking(bar, every=0.05):
+        before = out.getvalue().count("\r")
+        time.sleep(0.5)
+    assert out.getvalue().count("\r") > before  # redrawn while nothing reported progress
+    bar.close()
+    quiet = tqdm(total=10, disable=True)
+    with _ticking(quiet):  # a disabled bar starts no thread
+        pass
