@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 import sssd
-from common import Recorder, machine
+from common import Recorder, machine, stream_contexts
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -66,18 +66,6 @@ print(json.dumps({"open_s": t_open, "mode_s": t_mode, "resident_mb": resident / 
 """
 
 
-def contexts(ds: sssd.Datastore, count: int, length: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = []
-    while len(out) < count:
-        i = int(rng.integers(0, ds.size - 2 * length))
-        t = np.asarray(ds.tokens[i : i + 2 * length])
-        t = t[t != sssd.SEPARATOR]
-        if len(t) >= length:
-            out.append(np.ascontiguousarray(t[:length], dtype=np.uint32))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datastore", default="default")
@@ -93,7 +81,7 @@ def main() -> int:
         copy = Path(tmp) / "ds"
         shutil.copytree(ds.path, copy)
         os.sync()  # written back: clean pages can be evicted
-        ctx = contexts(ds, args.contexts, args.length, args.seed)
+        ctx = stream_contexts(ds.tokens, args.contexts, args.length, args.seed)
         del ds
         ctx_file = Path(tmp) / "contexts.npy"
         np.save(ctx_file, np.stack(ctx))

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import sssd
-from common import Recorder, machine
+from common import Recorder, machine, stream_contexts
 
 
 def synthetic_stream(base: np.ndarray, total: int, mutate: float, seed: int) -> np.ndarray:
@@ -65,18 +65,6 @@ def synthetic_stream(base: np.ndarray, total: int, mutate: float, seed: int) -> 
         filled += take
         print(f"\r  generated {filled / 1e6:,.0f}M of {total / 1e6:,.0f}M tokens", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    return out
-
-
-def contexts(tokens: np.ndarray, count: int, length: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = []
-    while len(out) < count:
-        i = int(rng.integers(0, len(tokens) - 2 * length))
-        t = np.asarray(tokens[i : i + 2 * length])
-        t = t[t != sssd.SEPARATOR]
-        if len(t) >= length:
-            out.append(np.ascontiguousarray(t[:length], dtype=np.uint32))
     return out
 
 
@@ -168,8 +156,8 @@ def main() -> int:
         big.warm()
         base_ds.warm()
         print(f"warmed both in {time.perf_counter() - t:.1f} s")
-        one = contexts(base, args.contexts, 64, args.seed + 1)
-        many = contexts(base, args.batch, 400, args.seed + 2)
+        one = stream_contexts(base, args.contexts, 64, args.seed + 1)
+        many = stream_contexts(base, args.batch, 400, args.seed + 2)
         print(f"{'':34s} {'default':>10s} {'large':>10s} {'ratio':>7s}")
         for name, fn in ((f"one-shot draft, budget {args.budget} (us)", lambda ds: one_shot_us(ds, one, args.budget)),
                          *((f"batch of {args.batch}, {th} thread(s) (ms)",

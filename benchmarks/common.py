@@ -60,3 +60,21 @@ def median(xs):
 
 def now() -> float:
     return time.perf_counter()
+
+
+def stream_contexts(tokens, count: int, length: int, seed: int) -> list:
+    """`count` contexts of `length` tokens cut at random from a token stream (a datastore's
+    ``tokens``), separators dropped, as contiguous uint32 arrays."""
+    import numpy as np
+
+    from sssd import SEPARATOR
+
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < count:
+        i = int(rng.integers(0, len(tokens) - 2 * length))
+        t = np.asarray(tokens[i : i + 2 * length])
+        t = t[t != SEPARATOR]
+        if len(t) >= length:
+            out.append(np.ascontiguousarray(t[:length], dtype=np.uint32))
+    return out
