@@ -44,6 +44,8 @@ class CalibrationRun:
     reliability_before: list = field(default_factory=list)
     reliability_after: list = field(default_factory=list)
     seconds: float = 0.0
+    #: calibration key -> the discount fitted for another draft source (calibration/hybrid.py DiscountFit.to_dict)
+    sources: dict[str, dict] = field(default_factory=dict)
 
     def config(self, budget: int) -> DrafterConfig:
         """The configuration the parameter file gives for `budget`."""
@@ -74,6 +76,7 @@ class CalibrationRun:
             "budgets": budgets,
             "calibration": self.calibration.to_dict(),
             "fingerprint": fingerprint.to_dict() if fingerprint else None,
+            **({"sources": self.sources} if self.sources else {}),
             **provenance,
             "grid": [t.row() for t in self.search.trials],
             "seconds": round(self.seconds, 1),

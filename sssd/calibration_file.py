@@ -9,7 +9,13 @@ A file (format "sssd-calibration", version 1) is a JSON object::
      "calibration": {...Calibration...},         # curves, used by the entries marked calibrated
      "fingerprint": {"datastore": "6a225f4f78655b21", "tokenizer": "<sha256>",
                      "model": "gguf:<sha256>", "model_name": "smollm2-135m-instruct"},
+     "sources": {"model:qwen2.5-coder-0.5b-instruct": {"discount": {...SourceDiscount...}, "mat": 2.9, ...}},
      ...provenance...}
+
+"sources" (optional) holds the merge discounts fitted for other draft sources beside
+retrieval (``sssd calibrate --draft``, calibration/hybrid.py), keyed by the source's
+calibration key; a DraftPipeline drafting with the file gives a source whose key it
+finds that discount instead of the source's own.
 
 The fingerprint is optional (files written before it have none; they load with a
 warning that they cannot be checked), and so is each of its fields (a field that is
@@ -38,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sssd.config import CALIBRATION_FORMAT, CALIBRATION_VERSION, Calibration, DrafterConfig
+from sssd.config import CALIBRATION_FORMAT, CALIBRATION_VERSION, Calibration, DrafterConfig, SourceDiscount
 
 log = logging.getLogger("sssd.calibration")
 
@@ -92,6 +98,7 @@ class CalibrationFile:
         default_budget: the budget used when none is asked.
         fingerprint: what the file was calibrated for; None for files that record none.
         where: the file's path (for messages).
+        sources: calibration key -> the merge discount fitted for that draft source.
     """
 
     entries: dict[int, DrafterConfig]
@@ -99,6 +106,7 @@ class CalibrationFile:
     default_budget: int
     fingerprint: Fingerprint | None = None
     where: str = "calibration"
+    sources: dict[str, SourceDiscount] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationFile:
@@ -145,7 +153,7 @@ class CalibrationFile:
         elif isinstance(default, bool) or not isinstance(default, int) or default < 0:
             raise ValueError(f"{where}: malformed calibration file (default_budget {default!r})")
         fp = Fingerprint.from_dict(d["fingerprint"], where) if d.get("fingerprint") is not None else None
-        return cls(entries, mat, default, fp, where)
+        return cls(entries, mat, default, fp, where, _source_discounts(d.get("sources"), where))
 
     # -- choosing an entry ------------------------------------------------------------
     def entry_budget(self, budget: int) -> int:
@@ -407,6 +415,39 @@ def _budget_key(key: Any, where: str) -> int:
     return b
 
 
+def source_discount(config: Any, key: str | None) -> SourceDiscount | None:
+    """The discount a calibration file fitted for the draft source of calibration key `key`
+    (None: not a CalibrationFile, no key, or nothing fitted for it)."""
+    if key is None or not isinstance(config, CalibrationFile):
+        return None
+    return config.sources.get(key)
+
+
+def _source_discounts(raw: Any, where: str) -> dict[str, SourceDiscount]:
+    """The "sources" object of a file: key -> SourceDiscount, or ValueError."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: malformed calibration file (sources is not an object)")
+    out = {}
+    for key, entry in raw.items():
+        d = entry.get("discount") if isinstance(entry, dict) else None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: malformed calibration file (source {key!r}: no \"discount\" object)")
+        try:
+            disc = SourceDiscount(**d)
+        except TypeError as e:
+            raise ValueError(f"{where}: malformed calibration file (source {key!r}: {e})") from None
+        numbers = (disc.scale, disc.depth_decay, disc.match_damping)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+               for v in numbers) or isinstance(disc.full_match, bool) or not isinstance(disc.full_match, int) \
+                or disc.full_match < 0:
+            raise ValueError(f"{where}: malformed calibration file (source {key!r}: discount {d!r} is not "
+                             f"positive finite factors and a match length >= 0)")
+        out[str(key)] = disc
+    return out
+
+
 def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> tuple[DrafterConfig, float | None]:
     """One budget's DrafterConfig (curves attached if calibrated) and its MAT, or ValueError."""
     bad = f"{where}: malformed calibration file (budget {budget}"
@@ -431,4 +472,4 @@ def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> t
 
 
 __all__ = ["CalibrationFile", "Fingerprint", "datastore_identity", "draft_with_entries", "drafter_config_for",
-           "entries_of", "load_drafter", "model_fingerprint", "select_entry"]
+           "entries_of", "load_drafter", "model_fingerprint", "select_entry", "source_discount"]

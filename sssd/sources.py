@@ -19,7 +19,8 @@ takes a list of sources or spec strings::
 
 The spec grammar is fixed; later kinds plug into it: `retrieval`,
 `model:<name or folder>` (a draft model), `self:streamingllm` and
-`self:snapkv` (the target over a sparse view of its own KV cache),
+`self:snapkv` (the target over a sparse view of its own KV cache;
+`self:snapkv:<kv budget>` sets its size),
 `recycle[:<k>]` (Token Recycling: the target's own top-k predictions,
 sssd.token_recycling) and `recent` (other requests' recent outputs,
 sssd.recent_outputs).
@@ -193,7 +194,8 @@ class DraftSource(abc.ABC):
 
     Attributes:
         name: reported in per-source acceptance metrics.
-        discount: the source's weight in the merge (scale, depth decay).
+        discount: the source's weight in the merge (scale, depth decay); a calibration
+            file's discount for its `calibration_key` replaces it (DraftPipeline.discount_of).
         observe_topk: how many of the target's likeliest next tokens per
             verified node the source observes (0: none; the backend then
             computes none for it).
@@ -205,6 +207,12 @@ class DraftSource(abc.ABC):
     defers_to_retrieval: bool = False
 
     relative_cost: float = 0.0
+
+    @property
+    def calibration_key(self) -> str:
+        """What `sssd calibrate --draft` files the discount it fits for this source under, and what
+        a DraftPipeline looks it up by (default: the name)."""
+        return self.name
 
     def expected_accepted(self, budget: int) -> float:
         """For a deferring source: the draft tokens its tree of `budget` nodes is expected to get
@@ -266,7 +274,8 @@ def parse_spec(spec: str | DraftSource | RetrievalSource) -> DraftSource | Retri
         return ("retrieval", "")
     if kind == "model" and arg:
         return ("model", arg)
-    if kind == "self" and arg in ("streamingllm", "snapkv"):
+    method, _, kv_budget = arg.partition(":")
+    if kind == "self" and method in ("streamingllm", "snapkv") and (not kv_budget or kv_budget.isdigit()):
         return ("self", arg)
     if kind == "recycle" and (not arg or arg.isdigit() and int(arg) >= 1):
         return ("recycle", arg)
@@ -318,7 +327,8 @@ class DraftPipeline:
             raise ValueError(f"at most {MAX_EXTERNAL} draft sources besides retrieval, got {len(self.external)}")
         entries = entries_of(config)  # budget -> config ({0: config} for one config)
         fix: dict[str, Any] = {"vocab_size": vocab_size} if vocab_size else {}
-        discounts = tuple(s.discount for s in self.external)
+        self._calibrated = config  # a CalibrationFile may hold discounts fitted for the other sources
+        discounts = tuple(self.discount_of(s) for s in self.external)
         if retrieval:
             r = retrieval[0]
             fix.update(r.overrides)
@@ -370,6 +380,13 @@ class DraftPipeline:
         for i, s in enumerate(self.external):
             self._call(i, s.close, request_id)
             self._failed.discard((i, request_id))
+
+    def discount_of(self, source: DraftSource) -> SourceDiscount:
+        """The discount `source`'s candidates merge with: the one the calibration file fitted for its
+        `calibration_key` (``sssd calibrate --draft``), else the source's own."""
+        from sssd.calibration_file import source_discount
+
+        return source_discount(self._calibrated, getattr(source, "calibration_key", None)) or source.discount
 
     @property
     def names(self) -> list[str]:
@@ -436,7 +453,7 @@ class DraftPipeline:
         """
         from sssd.drafter import Drafter
 
-        new = tuple(s.discount for s in sources)
+        new = tuple(self.discount_of(s) for s in sources)
         old = self._discounts
         cfg = self.drafter.config
         if not old and cfg.discounts.calibration is None:

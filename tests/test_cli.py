@@ -129,6 +129,9 @@ CASES = [
     (["calibrate", "{d}/gt.jsonl", "-o", "{d}/a_dir"], "argument -o/--output: {d}/a_dir: it is a directory"),
     (["calibrate", "{d}/gt.jsonl", "-o", "{d}/notes.txt/out.json"], "{d}/notes.txt is not a directory"),
     (["calibrate", "{d}/gt.jsonl", "--datastore", "{d}/nope"], "argument --datastore: {d}/nope: no such file"),
+    (["calibrate", "{d}/gt.jsonl", "--draft", "retrieval"], "argument --draft: 'retrieval': only draft models"),
+    (["calibrate", "{d}/gt.jsonl", "--draft", "model:"], "malformed draft source 'model:'"),
+    (["calibrate", "{d}/gt.jsonl", "--draft-scales", "0"], "argument --draft-scales: must be > 0"),
     # build
     (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/nope.json"], "argument -t/--tokenizer: {d}/nope.json"),
     (["build", "{d}/notes.txt", "-o", "{d}/notes.txt", "-t", "{d}/tok.json"], "argument -o/--output: {d}/notes.txt: it "

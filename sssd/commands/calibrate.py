@@ -39,6 +39,16 @@ def setup(p: argparse.ArgumentParser):
         kind = _args.int_range(1) if is_int else _args.float_range(0.0)
         p.add_argument("--" + f.replace("_", "-"), type=kind, nargs="+", default=list(getattr(axes, f)),
                        metavar="V", help=f"grid values for {f}")
+    p.add_argument("--draft", action="append", default=[], metavar="model:NAME",
+                   help="also fit the merge discount of this draft model beside retrieval (repeatable; a model "
+                        "name or folder with the target's tokenizer): replays the development split once with the "
+                        "draft model and scores every discount of the grid on the same steps (calibration/hybrid.py)")
+    p.add_argument("--draft-scales", type=_args.float_range(0.0, lo_open=True), nargs="+", default=None, metavar="V",
+                   help="grid of the draft source's discount scale (default: 0.25 0.5 1 2 4)")
+    p.add_argument("--draft-decays", type=_args.float_range(0.0, lo_open=True), nargs="+", default=None, metavar="V",
+                   help="grid of the draft source's depth decay (default: 0.8 1)")
+    p.add_argument("--draft-limit", type=_args.int_range(0), default=32,
+                   help="examples the draft-model fit replays (0: all; each step runs the draft model)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
@@ -49,6 +59,7 @@ def setup(p: argparse.ArgumentParser):
         from sssd.drafter import resolve_datastore
 
         axes = _grid(args)  # every grid value checked before anything loads
+        drafts = _draft_specs(args.draft)
         datastore = resolve_datastore(_args.default_datastore() if args.datastore == "default" else args.datastore)
         tokenizer = datastore.load_tokenizer()  # checked against the identity its manifest records
         examples, sources, models = [], [], []
@@ -78,7 +89,14 @@ def setup(p: argparse.ArgumentParser):
                 bar.close()
 
         fingerprint = _fingerprint(datastore, tokenizer, args.model, models)  # before the long run: it may warn
+        target = _target_model(args.model, models) if drafts else None  # before the long run: it may refuse
         result = calibrate(examples, datastore, args.budgets, axes, args.default_budget or None, args.workers, progress)
+        for spec in drafts:
+            fit = _fit_draft(spec, target, examples[: args.draft_limit or None], datastore, result, tokenizer, args)
+            result.sources[fit.source] = fit.to_dict()
+            print(f"{fit.source}: discount scale {fit.best.scale:g}, depth decay {fit.best.depth_decay:g} at budget "
+                  f"{fit.budget}: estimated MAT {fit.best_mat:.3f} (its default discount {fit.reference_mat:.3f}, "
+                  f"retrieval alone {fit.retrieval_mat:.3f}; {fit.steps} steps, {fit.seconds:.0f} s)", file=sys.stderr)
         from sssd.paths import portable
 
         provenance = portable({"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
@@ -95,6 +113,62 @@ def setup(p: argparse.ArgumentParser):
         return 0
 
     return run
+
+
+def _draft_specs(specs: list[str]) -> list[str]:
+    """The `--draft` specs' model names or folders (ValueError for anything but model:<name>)."""
+    from sssd.sources import parse_spec
+
+    out = []
+    for spec in specs:
+        kind = parse_spec(spec)
+        if not isinstance(kind, tuple) or kind[0] != "model":
+            raise ValueError(f"argument --draft: {spec!r}: only draft models (model:<name or folder>) are fitted "
+                             f"here; retrieval is what the rest of the run calibrates")
+        out.append(kind[1])
+    return out
+
+
+def _target_model(model: str | None, headers: list):
+    """The target's model folder: `--model`, else the one every ground-truth file records (ValueError if
+    neither identifies one: a draft model is checked against the target's tokenizer)."""
+    from sssd.models import resolve_model
+
+    if model is None:
+        recorded = {m.get("registry") or m.get("path") or m.get("name") for m in headers if isinstance(m, dict)}
+        recorded.discard(None)
+        if len(recorded) != 1:
+            raise ValueError("--draft needs the target model: give --model (the ground-truth files record "
+                             f"{len(recorded) or 'no'} models)")
+        model = recorded.pop()
+    return resolve_model(str(model))
+
+
+def _fit_draft(name: str, target, examples, datastore, result, tokenizer, args):
+    """Fits one draft model's discount at the run's default budget (calibration/hybrid.py), with progress."""
+    from tqdm import tqdm
+
+    from sssd.calibration.hybrid import DEFAULT_DECAYS, DEFAULT_SCALES, discount_grid, fit_source_discount
+    from sssd.serving.model_drafter import ModelDrafter
+
+    budget = result.default_budget
+    batch = 8
+    longest = max(len(e.prompt) + len(e.output) for e in examples)
+    source = ModelDrafter(name, target=target, slots=batch, capacity=longest + 2 * budget + 2,
+                          threads=None)
+    grid = discount_grid(source.discount, args.draft_scales or DEFAULT_SCALES, args.draft_decays or DEFAULT_DECAYS)
+    bar = tqdm(total=sum(len(e.output) for e in examples), desc=f"fitting {source.calibration_key}", unit="tok",
+               file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+
+    try:
+        return fit_source_discount(examples, datastore, result.config(budget), source, budget, grid,
+                                   batch_size=batch, key=source.calibration_key,
+                                   vocab_size=source.backend.info.vocab_size, progress=progress)
+    finally:
+        bar.close()
 
 
 def _fingerprint(datastore, tokenizer, model: str | None, headers: list):
