@@ -183,7 +183,7 @@ def fit_source_discount(examples: Sequence[Example], datastore, config: DrafterC
             fit.tokens = int(gained[0])
             if progress:
                 progress(fit.tokens, total)
-    fit.grid = [(d, gained[k] / fit.steps) for k, d in enumerate(grid)]
-    fit.retrieval_mat = gained[-1] / fit.steps
+    fit.grid = [(d, float(gained[k] / fit.steps)) for k, d in enumerate(grid)]
+    fit.retrieval_mat = float(gained[-1] / fit.steps)
     fit.seconds = time.perf_counter() - t0
     return fit
