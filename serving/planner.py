@@ -43,7 +43,7 @@ the bucket runs the budget with the best estimated tokens per second.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -246,3 +246,131 @@ def mat_from_calibration(calibration: Any) -> dict[int, float]:
     if isinstance(calibration, CalibrationFile) and calibration.mat.keys() == calibration.entries.keys():
         return dict(calibration.mat) | {0: 1.0}
     return dict(DEFAULT_MAT)
+
+
+class SelfSpecCostModel:
+    """MagicDec's cost model for self-speculation over a sparse KV (serving.self_drafter).
+
+    A forward pass of the target over B rows of T tokens reading S cached positions each costs
+
+        t(B, T, S) = c0 + c1 B T + c2 B S + c3 B T S
+
+    (fixed cost, weights times tokens, reading the KV, attention's arithmetic). A draft pass reads
+    S = kv_budget positions; the target's verification reads the whole context. A chain of gamma
+    tokens accepted at per-depth rates a_1, a_2, ... yields 1 + sum_i prod_{j<=i} a_j tokens per
+    step for gamma draft passes and one verification of gamma + 1 tokens, against one token per
+    plain pass:
+
+        speedup(gamma) = (1 + sum_i prod_{j<=i} a_j) t(B, 1, ctx)
+                         / (gamma t(B, 1, kv_budget) + t(B, gamma + 1, ctx))
+
+    The best gamma maximises it; where no gamma beats plain decoding by `margin` (short contexts,
+    where the draft pass costs nearly what a full one does) the source does not draft: that is the
+    critical context. The coefficients come from a roofline prior (the model's shape, a CPU's
+    bandwidth and arithmetic rate) or from passes measured on this machine (`fit`:
+    benchmarks/bench_magicdec.py writes them), and the draft passes a running source times
+    (`observe_draft`) give its draft seconds per batch size.
+    """
+
+    def __init__(self, coef: Sequence[float], kv_budget: int, margin: float = 1.05, meta: dict | None = None):
+        self.coef = np.maximum(np.asarray(coef, dtype=np.float64), 0.0)
+        if self.coef.shape != (4,):
+            raise ValueError(f"a self-speculation cost model has 4 coefficients, got {self.coef.shape}")
+        self.kv_budget = int(kv_budget)
+        self.margin = float(margin)
+        self.meta = dict(meta or {})
+        self._draft: dict[int, float] = {}   # batch bucket -> measured seconds per draft pass
+
+    @classmethod
+    def prior(cls, shape: dict, kv_budget: int, bandwidth: float = 8e9, flops: float = 4e10,
+              overhead: float = 2e-3) -> SelfSpecCostModel:
+        """The roofline prior for a model of `shape` (TorchBackend's info.shape) on a small CPU."""
+        params = float(shape.get("params", 1e8))
+        dtype = float(shape.get("dtype_bytes", 4))
+        kv = 2.0 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype   # bytes per position
+        attn = 4.0 * shape["layers"] * shape["heads"] * shape["head_dim"]            # FLOPs per query-position pair
+        return cls([overhead + params * dtype / bandwidth, 2.0 * params / flops, kv / bandwidth, attn / flops],
+                   kv_budget, meta={"source": "roofline prior"})
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, int, int, float]], kv_budget: int, **kw) -> SelfSpecCostModel:
+        """Least squares (non-negative) over measured passes (B, T, S, seconds)."""
+        pts = np.asarray(points, dtype=np.float64)
+        if pts.ndim != 2 or pts.shape[1] != 4 or len(pts) < 4:
+            raise ValueError("fitting the cost model needs at least 4 measured passes (B, T, S, seconds)")
+        X = np.stack([np.ones(len(pts)), pts[:, 0] * pts[:, 1], pts[:, 0] * pts[:, 2],
+                      pts[:, 0] * pts[:, 1] * pts[:, 2]], axis=1)
+        # relative errors: divide every row by its time (short and long passes count alike)
+        w = 1.0 / pts[:, 3]
+        coef = _nnls(X * w[:, None], pts[:, 3] * w)
+        return cls(coef, kv_budget, meta={"source": "measured", "points": len(pts)}, **kw)
+
+    def to_dict(self) -> dict:
+        return {"coef": self.coef.tolist(), "kv_budget": self.kv_budget, "margin": self.margin, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict, kv_budget: int | None = None) -> SelfSpecCostModel:
+        return cls(d["coef"], d["kv_budget"] if kv_budget is None else kv_budget, d.get("margin", 1.05), d.get("meta"))
+
+    def time(self, batch: int, tokens: int, kv: int) -> float:
+        """Seconds of one pass: `batch` rows of `tokens` tokens reading `kv` positions each."""
+        B, T, S = float(batch), float(tokens), float(kv)
+        return float(self.coef @ np.array([1.0, B * T, B * S, B * T * S]))
+
+    def ratio(self, batch: int, context: int) -> float:
+        """A draft pass's cost over a plain target pass at this batch and context."""
+        context = max(int(context), 1)
+        return self.time(batch, 1, min(self.kv_budget, context)) / self.time(batch, 1, context)
+
+    def speedup(self, batch: int, context: int, rates: np.ndarray, gamma: int) -> float:
+        """Expected tokens per second over plain decoding's, drafting chains of `gamma`."""
+        if gamma < 1:
+            return 1.0
+        accepted = 1.0 + float(np.cumprod(np.asarray(rates, dtype=np.float64)[:gamma]).sum())
+        S = min(self.kv_budget, max(int(context), 1))
+        step = gamma * self.time(batch, 1, S + gamma // 2) + self.time(batch, gamma + 1, context)
+        return accepted * self.time(batch, 1, context) / step
+
+    def best_gamma(self, batch: int, context: int, rates: np.ndarray, cap: int) -> int:
+        """The chain length with the best expected speedup, up to `cap`; 0 if none beats plain
+        decoding by the margin (below the critical context)."""
+        best, gain = 0, self.margin
+        for g in range(1, int(cap) + 1):
+            s = self.speedup(batch, context, rates, g)
+            if s > gain:
+                best, gain = g, s
+        return best
+
+    def critical_context(self, batch: int, rates: np.ndarray, cap: int, longest: int = 1 << 17) -> int | None:
+        """The shortest context (a power of two times 256) at which drafting pays; None: none up to `longest`."""
+        c = 256
+        while c <= longest:
+            if self.best_gamma(batch, c, rates, cap):
+                return c
+            c *= 2
+        return None
+
+    def observe_draft(self, batch: int, gamma: int, seconds: float) -> None:
+        """A running source's measured chain: seconds for `gamma` passes over `batch` rows."""
+        key = 1 << max(0, int(batch) - 1).bit_length()
+        per = seconds / max(1, gamma)
+        self._draft[key] = per if key not in self._draft else 0.8 * self._draft[key] + 0.2 * per
+
+    def draft_seconds(self, batch: int, gamma: int = 4) -> float:
+        """Seconds a chain of `gamma` draft passes adds to a step of `batch` rows (measured once seen)."""
+        key = 1 << max(0, int(batch) - 1).bit_length()
+        per = self._draft.get(key)
+        if per is None:
+            per = self.time(batch, 1, self.kv_budget)
+        return gamma * per
+
+
+def _nnls(A: np.ndarray, b: np.ndarray, iters: int = 500) -> np.ndarray:
+    """Non-negative least squares by projected coordinate descent (small problems: 4 unknowns)."""
+    x = np.maximum(np.linalg.lstsq(A, b, rcond=None)[0], 0.0)
+    AtA, Atb = A.T @ A, A.T @ b
+    for _ in range(iters):
+        for i in range(len(x)):
+            if AtA[i, i] > 0:
+                x[i] = max(0.0, x[i] + (Atb[i] - AtA[i] @ x) / AtA[i, i])
+    return x
