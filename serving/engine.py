@@ -276,6 +276,11 @@ class LLMEngine:
                                             dtype=self.config.dtype, device=self.config.device,
                                             threads=self.config.threads))
                     continue
+                if kind == "self":
+                    from sssd.serving.self_drafter import SelfDrafter
+
+                    out.append(SelfDrafter.for_engine(self, arg))
+                    continue
                 raise ValueError(f"the draft source '{kind}:{arg}' is not available in this version of sssd "
                                  f"(available: retrieval, model:<name or folder>, recycle, recent, or your own "
                                  f"sssd.DraftSource)")

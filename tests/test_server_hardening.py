@@ -289,7 +289,7 @@ def _serve(model, tmp_path, *args):
     (["--drafter", "/nonexistent.json"], "no such file"),
     (["--host", "no-such-host.invalid"], "cannot resolve"),
     (["--api-key", ""], "--api-key is empty"),
-    (["--draft", "retrieval,self:snapkv"], "available: retrieval, model:<name or folder>, recycle, recent"),
+    (["--draft", "retrieval,self:snapkv:x"], "malformed draft source 'self:snapkv:x'"),
     (["--draft", "retrieval,model:tiny"], "--draft model:tiny: unknown model"),
     (["--draft", "recycle:x"], "malformed draft source"),
 ])

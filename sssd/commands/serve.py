@@ -13,7 +13,7 @@ from sssd.cli import command
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: Draft sources `sssd serve --draft` accepts (sssd.sources' spec grammar names more).
-SERVABLE_SOURCES = ("retrieval", "model", "recycle", "recent")
+SERVABLE_SOURCES = ("retrieval", "model", "self", "recycle", "recent")
 
 
 @command("serve", help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
@@ -55,7 +55,9 @@ def setup(p: argparse.ArgumentParser):
                         "model:NAME or model:FOLDER (a small model with the target's tokenizer drafting token "
                         "trees, e.g. model:qwen2.5-coder-0.5b-instruct for Qwen2.5-Coder-1.5B), "
                         "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
-                        "tokens), recent (other requests' recent outputs); 'none' serves without speculation")
+                        "tokens), recent (other requests' recent outputs), self:snapkv or self:streamingllm "
+                        "(MagicDec: the model itself over a sparse KV of 512 positions, or self:snapkv:N of N; "
+                        "for long contexts); 'none' serves without speculation")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
@@ -115,7 +117,8 @@ def validate(args: argparse.Namespace) -> None:
         for spec in parse_specs(args.draft):  # ValueError naming the known kinds
             if spec[0] not in SERVABLE_SOURCES:
                 raise ValueError(f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
-                                 f"version of sssd (available: retrieval, model:<name or folder>, recycle, recent)")
+                                 f"version of sssd (available: retrieval, model:<name or folder>, self:streamingllm, "
+                                 f"self:snapkv, recycle, recent)")
             if spec[0] == "model":
                 _draft_model(spec[1])
     if args.api_key is not None and not args.api_key.strip():
