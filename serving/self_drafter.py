@@ -325,7 +325,7 @@ class SelfDrafter(DraftSource):
             view = _View(fixed=n, horizon=n, ring=B - n)
             self._copy(mine, vslot, np.arange(n), np.arange(n))
         else:
-            ring = min(B - 1, max(self.obs_window, self.window or B // 4))
+            ring = max(1, min(B - 1, max(self.obs_window, self.window or B // 4)))
             keep = B - ring
             horizon = cached - ring
             idx = self._snap_select(tokens, vslot, cached, horizon, keep)      # [layers, heads, keep]

@@ -190,3 +190,11 @@ def test_bad_specs_and_prompts_are_refused_clearly(llama):
     eng = engine(llama, "self:snapkv:8", max_model_len=64)
     with pytest.raises(ContextLengthExceeded, match="serves at most"):
         eng.add_request(list(range(3, 83)), SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_a_one_position_budget_still_drafts_losslessly(llama, plain_outputs, method):
+    eng = engine(llama, f"self:{method}:1", max_running=4)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert all(o.stats["drafted"] > 0 for o in outs)
