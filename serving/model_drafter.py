@@ -50,6 +50,16 @@ parameter ratio. A step where retrieval has long confident matches (a
 prompt being copied) then costs no drafter pass, and a drafter as large as
 the target never drafts beside retrieval (complement=False drafts always).
 
+The slot holds [verified prefix | tree] (SwiftSpec's layout): when the
+target's tokens (accepted path and bonus) walk down the last tree through
+nodes that were fed (their K/V written, their hidden state kept), those
+K/V move down to the prefix positions in one compaction instead of being
+computed again; when the whole walk is fed, the next step needs no
+catch-up pass at all, the new root's hidden state being kept. Under async
+drafting (serving.async_draft) the engine sets `grow`: past its expansion
+the tree keeps adding chain levels, one pass each, while grow() says the
+verifier is still busy, so the next root is often a fed node of the tree.
+
 A pass that fails costs that step's drafts (the pipeline logs it and the
 other sources draft); the slots stay consistent, since a request's prefix
 length advances only after its catch-up pass succeeded.
@@ -83,6 +93,9 @@ CATCHUP_TOKENS = 1024
 RATE_PRIOR = 8.0
 #: Deepest level and highest child rank with a rate of their own (deeper ones share the last).
 RATE_DEPTHS, RATE_RANKS = 16, 8
+#: Chain levels a growing tree (async drafting) adds at most past its expansion, and at least
+#: (the next root lies one level past the verified tree: without them it is never there).
+MAX_GROW_LEVELS, MIN_GROW_LEVELS = 16, 2
 
 
 def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...]:
@@ -154,6 +167,12 @@ class _Tree:
 
     ranks: list
     kids: dict                   # parent node (-1: root) -> number of children so far
+    hidden: dict = None          # fed node -> its hidden state (its K/V are in the slot at prefix + node)
+    grown: bool = False          # grown under async drafting: its fed subtree below the next root is carried over
+
+    def __post_init__(self):
+        if self.hidden is None:
+            self.hidden = {}
 
     def add(self, parent: int, token: int, prob: float) -> int:
         i = len(self.tokens)
@@ -201,6 +220,27 @@ class _Tree:
                 return
             rates[1][depth, min(self.ranks[nxt], RATE_RANKS - 1)] += 1
             node = nxt
+
+
+def _carried(tree: _Tree, root: int, prefix: int) -> _Tree:
+    """The fed subtree of `tree` below node `root` as a tree of its own over `prefix` tokens:
+    `origin` maps its nodes to the old ones (whose K/V the caller moves to prefix + new index).
+    Unfed nodes (the last level: no K/V) are left out; a node whose children were left out
+    becomes a leaf again, and its draws go with them (it is expanded afresh)."""
+    keep = [i for i in range(len(tree.tokens)) if i in tree.hidden and i != root
+            and root in tree.ancestors[i]]
+    new = {root: -1, **{i: j for j, i in enumerate(keep)}}
+    out = _Tree(prefix, tree.budget, [], [], [], [], [], [], [], [], [], {})
+    for i in keep:
+        j = out.add(new[tree.parents[i]], tree.tokens[i], tree.probs[i])
+        out.hidden[j] = tree.hidden[i]
+    for p, q, d in zip(tree.dist_parents, tree.dist_q, tree.dist_draws):
+        if p in new and out.kids.get(new[p]):  # draws whose children came along
+            out.dist_parents.append(new[p])
+            out.dist_q.append(q)
+            out.dist_draws.append(d)
+    out.origin = keep
+    return out
 
 
 @dataclass
@@ -307,6 +347,11 @@ class ModelDrafter(DraftSource):
         self.rates = np.zeros((2, RATE_DEPTHS, RATE_RANKS), np.float64)
         self.passes = 0                                  # forward passes so far (for benchmarks)
         self._seconds: dict[int, float] = {}             # batch bucket -> smoothed seconds per propose
+        self._root_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (its length, its root's state)
+        self._carry: dict[int, _Tree] = {}              # request id -> the grown subtree its next tree starts from
+        #: set by async drafting: while grow() is True, a tree keeps adding chain levels past its expansion
+        self.grow = None
+        self.promoted = 0                                # tokens whose K/V moved to the prefix uncomputed
 
     def __repr__(self) -> str:
         return f"ModelDrafter({str(self.path)!r}, expansion={list(self.expansion)})"
@@ -329,8 +374,42 @@ class ModelDrafter(DraftSource):
         length = self._length.get(request_id)
         if tree is not None and tree.prefix == length:  # the tree of this step, not of an earlier one
             tree.observe(tokens, self.rates)
+            self._promote(request_id, tree, np.asarray(tokens))
         if length is not None:
             self._length[request_id] = length + len(tokens)
+
+    def _promote(self, request_id: int, tree: _Tree, tokens: np.ndarray) -> None:
+        """Moves the K/V of the appended tokens that walk down the tree through fed nodes to the
+        prefix positions (one compaction, nothing recomputed); if all of them did, keeps the new
+        root's hidden state so the next step needs no catch-up pass."""
+        s = self._slot.get(request_id)
+        if s is None or self._cached.get(request_id) != tree.prefix or not tree.hidden:
+            return
+        child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
+        node, src = -1, []
+        for tok in tokens.tolist():
+            node = child.get((node, tok))
+            if node is None or node not in tree.hidden:
+                break
+            src.append(tree.prefix + node)
+        if not src:
+            return
+        dst = list(tree.prefix + np.arange(len(src)))
+        carry = None
+        if len(src) == len(tokens) and tree.grown:  # the fed subtree below the new root goes on growing
+            carry = _carried(tree, node, tree.prefix + len(tokens))
+            src += [tree.prefix + i for i in carry.origin]
+            dst += [carry.prefix + j for j in range(len(carry.tokens))]
+        src, dst = np.asarray(src), np.asarray(dst)
+        moved = src != dst
+        if moved.any():  # one gather, one scatter: sources are read before anything is written
+            self.backend.compact(np.full(int(moved.sum()), s), src[moved], dst[moved])
+        self._cached[request_id] = tree.prefix + len(src) - (0 if carry is None else len(carry.tokens))
+        self.promoted += len(tokens) if carry is not None else len(src)
+        if len(src) >= len(tokens):
+            self._root_hidden[request_id] = (tree.prefix + len(tokens), tree.hidden[node])
+        if carry is not None and carry.tokens:
+            self._carry[request_id] = carry
 
     @property
     def relative_cost(self) -> float:
@@ -366,6 +445,8 @@ class ModelDrafter(DraftSource):
 
     def close(self, request_id: int) -> None:
         self._last.pop(request_id, None)
+        self._root_hidden.pop(request_id, None)
+        self._carry.pop(request_id, None)
         self._length.pop(request_id, None)
         s = self._slot.pop(request_id, None)
         if s is not None:
@@ -392,11 +473,23 @@ class ModelDrafter(DraftSource):
             if s == i:
                 continue
             other = self._owner[i]
-            self.backend.swap(s, i, max(self._cached[rid], self._cached.get(other, 0) if other is not None else 0))
+            self.backend.swap(s, i, max(self._extent(rid), self._extent(other) if other is not None else 0))
+            for moved in (rid, other):  # a swap moves prefixes only: trees past them are left behind
+                if moved is not None and moved in self._last:
+                    self._last[moved].hidden.clear()
             self._owner[s], self._owner[i] = other, rid
             self._slot[rid] = i
             if other is not None:
                 self._slot[other] = s
+
+    def _extent(self, request_id: int) -> int:
+        """Slot positions a request's state spans: its prefix and any carried subtree."""
+        carry = self._carry.get(request_id)
+        return self._cached[request_id] + (len(carry.tokens) if carry is not None else 0)
+
+    def _k(self, depth: int) -> int:
+        """Children of a node at `depth` (0: the root): the expansion's, then chains."""
+        return self.expansion[depth] if depth < len(self.expansion) else 1
 
     # -- drafting ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -410,19 +503,37 @@ class ModelDrafter(DraftSource):
         reqs = [requests[k] for k in todo]
         started = time.perf_counter()
         self._arrange([r.request_id for r in reqs])
-        hidden = self._catch_up(reqs)
-        trees = [_Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], [], [], {}) for r in reqs]
+        carried = [self._carry.pop(r.request_id, None) for r in reqs]
+        hidden, fed = self._catch_up(reqs)
+        grow, levels = self.grow, len(self.expansion)
+        trees = [_Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], [], [], {}, grown=grow is not None)
+                 for r in reqs]
         frontier: list[list[int]] = [[-1] for _ in reqs]  # nodes whose q `hidden` gives, per row (-1: the root)
+        if not fed and any(c is not None and c.prefix == len(r.tokens) for c, r in zip(carried, reqs)):
+            # carried subtrees (no catch-up pass wrote over them) grow from their leaves
+            states = []
+            for b, (c, r) in enumerate(zip(carried, reqs)):
+                if c is not None and c.prefix == len(r.tokens):
+                    c.budget, c.grown = max(int(r.budget), len(c.tokens)), grow is not None
+                    trees[b] = c
+                    frontier[b] = [i for i in range(len(c.tokens)) if not c.kids.get(i)]
+                    states += [c.hidden[i] for i in frontier[b]]
+                else:
+                    states.append(hidden[b])
+            hidden = torch.stack(states)
         sampled = [r.temperature >= 1e-5 for r in reqs]
-        for level, k in enumerate(self.expansion, start=1):
-            new = self._expand(reqs, trees, frontier, hidden, k, sampled)
-            if level == len(self.expansion) or not any(new):
+        for level in range(1, levels + MAX_GROW_LEVELS + 1):
+            ks = [[self._k(0 if n < 0 else t.depths[n]) for n in f] for t, f in zip(trees, frontier)]
+            new = self._expand(reqs, trees, frontier, hidden, ks, sampled)
+            if not any(new) or level >= levels and (grow is None or level >= levels + MIN_GROW_LEVELS and not grow()):
                 break
             h = self.backend.hidden_states(slice(0, len(reqs)), _TreePass.of(trees, new))
             self.passes += 1
             b = np.repeat(np.arange(len(reqs)), [len(n) for n in new])
             j = np.concatenate([np.arange(len(n)) for n in new])
             hidden = h[torch.from_numpy(b), torch.from_numpy(j)]
+            for row, node, state in zip(b.tolist(), [n for ns in new for n in ns], hidden):
+                trees[row].hidden[node] = state
             frontier = new
         for k, r, t in zip(todo, reqs, trees):
             out[k] = t.candidates(self.rates)
@@ -432,10 +543,14 @@ class ModelDrafter(DraftSource):
         self._seconds[key] = took if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * took
         return out
 
-    def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:
-        """Feeds every request's tokens not yet in its slot; the hidden state at each root [B, H]."""
+    def _catch_up(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, bool]:
+        """Feeds every request's tokens not yet in its slot; the hidden state at each root [B, H],
+        and whether a pass ran (its padding writes past the prefixes)."""
         B = len(reqs)
         n = np.array([len(r.tokens) for r in reqs], dtype=np.int64)
+        kept = [self._root_hidden.pop(r.request_id, None) for r in reqs]
+        if all(k is not None and k[0] == len(r.tokens) == self._cached[r.request_id] for k, r in zip(kept, reqs)):
+            return torch.stack([k[1] for k in kept]), False  # every root's state was kept: no pass
         # at least the root is fed (its logits are the first level's q)
         start = np.minimum(np.array([self._cached[r.request_id] for r in reqs], dtype=np.int64), n - 1)
         # propose leaves room for 2 * budget + 1 past every prefix: padding stays inside the slots
@@ -454,11 +569,16 @@ class ModelDrafter(DraftSource):
             start = hi
             if last:
                 idx = torch.from_numpy(np.array([len(c) - 1 for c in chunks], dtype=np.int64))
-                return h[torch.arange(B), idx]
+                return h[torch.arange(B), idx], True
 
     def _expand(self, reqs: list[DraftRequest], trees: list[_Tree], frontier: list[list[int]],
-                hidden: torch.Tensor, k: int, sampled: list[bool]) -> list[list[int]]:
-        """Gives every frontier node up to k children (within each tree's budget); the new nodes."""
+                hidden: torch.Tensor, ks: list[list[int]], sampled: list[bool]) -> list[list[int]]:
+        """Gives every frontier node up to its k children (ks, per frontier node; within each tree's
+        budget); the new nodes."""
+        flat_k = [k for row in ks for k in row]
+        if not flat_k:
+            return [[] for _ in reqs]
+        k = max(flat_k)
         logits = self.backend.logits(hidden).cpu()                  # [F, V]: drawn on the CPU, like the target's tokens
         owner = np.repeat(np.arange(len(reqs)), [len(f) for f in frontier])
         q = torch.softmax(logits, dim=-1)
@@ -482,15 +602,16 @@ class ModelDrafter(DraftSource):
         for b, nodes in enumerate(frontier):
             t = trees[b]
             for node in nodes:
-                room = t.budget - len(t.tokens)
+                room, kj = t.budget - len(t.tokens), flat_k[j]
                 if room > 0 and j in qs:
-                    row = qs[j]
-                    kids = list(dict.fromkeys(draws[j].tolist()))[:room]  # distinct, in drawing order
+                    row, drawn_j = qs[j], draws[j][:kj]  # its first kj of k independent draws
+                    kids = list(dict.fromkeys(drawn_j.tolist()))[:room]  # distinct, in drawing order
                     t.dist_parents.append(node)
                     t.dist_q.append(row.numpy())
-                    t.dist_draws.append(draws[j])
+                    t.dist_draws.append(drawn_j)
                     new[b] += [t.add(node, x, float(row[x])) for x in kids]
                 elif room > 0:
-                    new[b] += [t.add(node, int(x), float(p)) for x, p in zip(top_tok[j][:room], top_p[j][:room])]
+                    n = min(room, kj)
+                    new[b] += [t.add(node, int(x), float(p)) for x, p in zip(top_tok[j][:n], top_p[j][:n])]
                 j += 1
         return new
