@@ -52,6 +52,8 @@ MAX_REQUEST_ID = 2**63 - 1
 PROBE_CHARS_PER_TOKEN = 8
 #: What the engine drafts with unless told otherwise.
 DEFAULT_DRAFT = ("retrieval",)
+#: How drafting runs beside verification (EngineConfig.draft_mode).
+DRAFT_MODES = ("serial", "async")
 
 
 class ContextLengthExceeded(ValueError):
@@ -74,6 +76,11 @@ class EngineConfig:
         reprofile: measure the planner's forward-time profile again instead of using the cached one.
         datastore_residency: how the datastores' pages are kept in memory (sssd.datastore.RESIDENCY):
             "warm" (read in at start, the default), "lock" (also pinned: never reclaimed) or "lazy".
+        draft_mode: "serial" drafts each step before its forward pass; "async" grows the next
+            step's trees on a drafting thread while the target verifies (serving.async_draft),
+            where measured to pay (else those steps run serially).
+        draft_threads: torch threads of the async drafting thread (a draft model's passes);
+            None: as many as the verifier's.
     """
 
     max_running: int = 32
@@ -87,6 +94,8 @@ class EngineConfig:
     threads: int | None = None
     reprofile: bool = False
     datastore_residency: str = "warm"
+    draft_mode: str = "serial"
+    draft_threads: int | None = None
 
     def __post_init__(self):
         from sssd.datastore import RESIDENCY
@@ -97,6 +106,10 @@ class EngineConfig:
         for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
+        if self.draft_threads is not None and self.draft_threads < 1:
+            raise ValueError(f"draft_threads must be >= 1, got {self.draft_threads}")
         if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):
             raise ValueError(f"budget must be in [0, {int(sssd._core.MAX_BUDGET)}], got {self.budget}")
 
@@ -131,6 +144,9 @@ class StepPlan:
     draft_seconds: float
     launched: float = 0.0    # perf_counter when the forward pass started
     trials: list | None = None  # [B] per row: packed node -> randomly drawn candidates' trials (acceptance.mss_trials)
+    mode: str = "serial"     # how this step drafts the next one (async: a tree grows beside its forward pass)
+    grown: bool = False      # the drafting thread grows the next step's trees beside this step's forward pass
+    times: dict = field(default_factory=dict)  # perf_counter marks for the timeline (EngineMetrics.timeline)
 
 
 def _log(msg: str) -> None:
@@ -203,6 +219,13 @@ class LLMEngine:
 
             for extra in datastores[1:]:
                 add_datastore(self.drafting, self.check_datastore(extra), default_name=extra)
+        #: async drafting (serving.async_draft): the drafting thread and the measured choice of mode
+        self.async_drafter = self.mode_chooser = None
+        if self.config.draft_mode == "async" and self.drafting is not None:
+            from sssd.serving.async_draft import AsyncDrafter, ModeChooser
+
+            self.async_drafter = AsyncDrafter(self.drafting, threads=self.config.draft_threads)
+            self.mode_chooser = ModeChooser()
         from sssd.serving.planner import BudgetPlanner
 
         self.planner = BudgetPlanner.create(self.config, speculate=self.drafting is not None,
@@ -373,6 +396,7 @@ class LLMEngine:
             self._prefill()
         if self.num_decode:
             plan = self.prepare()
+            self.grow(plan)
             self.finish(plan, self.launch(plan))
         self.step_count += 1
         return self.collect_outputs()
@@ -451,18 +475,33 @@ class LLMEngine:
     def _open_draft(self, req: Request) -> None:
         """(Re)opens the request's drafter state from its tokens; on failure it decodes without drafts."""
         try:
-            if req.id in self.drafting:
-                self.drafting.close(req.id)
-            self.drafting.open(req.id, req.history())
+            self._drafting_call(self._reopen, req.id, req.history())  # async: queued while the thread drafts
             req.draft = True
         except Exception as e:  # noqa: BLE001 - drafting is an optimisation: never fail the request over it
             log.warning("request %s: drafting disabled (%s)", req.id, e)
             req.draft = False
 
+    def _reopen(self, request_id: int, history: np.ndarray) -> None:
+        if request_id in self.drafting:
+            self.drafting.close(request_id)
+        self.drafting.open(request_id, history)
+
+    def _drafting_call(self, fn, *args) -> None:
+        """Calls a pipeline method now, or (async drafting) once the drafting thread lets go of it."""
+        if self.async_drafter is not None:
+            self.async_drafter.mutate(fn, *args)
+        else:
+            fn(*args)
+
     def _promote(self, req: Request) -> None:
         self._swap(req.slot, self.num_decode)
         self.num_decode += 1
         req.status = Status.DECODE
+
+    def _close_draft(self, request_id: int) -> None:
+        self.drafting.close(request_id)
+        if self.async_drafter is not None:
+            self.async_drafter.prepared.pop(request_id, None)
 
     def _retire(self, req: Request) -> None:
         s = req.slot
@@ -488,7 +527,7 @@ class LLMEngine:
             self._retire(req)
         if self.drafting is not None:
             try:
-                self.drafting.close(req.id)
+                self._drafting_call(self._close_draft, req.id)
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s: closing its drafter state failed (%s)", req.id, e)
         req.status = Status.FINISHED
@@ -530,7 +569,13 @@ class LLMEngine:
         budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
         if not budgets.any():
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
-        drafts, use, proposals = (self._draft(reqs, budgets) if budget else (None, None, None))
+        mode = self.mode_chooser.mode(B) if self.mode_chooser is not None and budget else "serial"
+        if not budget:
+            drafts, use, proposals = None, None, None
+        elif self.async_drafter is not None:
+            drafts, use, proposals = self._draft_async(reqs, budgets)
+        else:
+            drafts, use, proposals = self._draft(reqs, budgets)
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
         trials = None
         if proposals is not None and any(c.dists is not None for cands in proposals for _, c in cands):
@@ -541,11 +586,52 @@ class LLMEngine:
         t_draft = time.perf_counter() - t0
         batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
                      np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B), drafts, use)
-        return StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials)
+        plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
+        plan.times["prepared"] = time.perf_counter()
+        return plan
+
+    def grow(self, plan: StepPlan) -> None:
+        """Async drafting: hands the drafting thread this step's roots, to grow the next step's trees
+        from while the target verifies (serving.async_draft); nothing in serial mode."""
+        a = self.async_drafter
+        if a is None or plan.mode != "async" or not plan.budget or a.dead is not None:
+            return
+        from sssd.serving.async_draft import GROW
+
+        grow = min(GROW * plan.budget, int(sssd._core.MAX_BUDGET))  # drafter-side only: the step packs <= budget
+        reqs = [r for r, b in zip(plan.requests, plan.budgets) if b > 0]
+        asks = [DraftRequest(r.id, r.history(), grow, 0.0 if r.params.greedy else r.params.temperature,
+                             r.params.top_k, r.params.top_p) for r in reqs]
+        plan.grown = a.submit(self.step_count, asks, {r.id: len(r.tokens) for r in reqs})
+
+    def _draft_async(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None, list | None]:
+        """This step's trees under async drafting: each request's tree grown during the last step,
+        re-rooted on its outcome, where it holds one; the others drafted now (serially), unless
+        the drafting thread still holds the pipeline (stalled): then they go without."""
+        from sssd.serving.async_draft import combine, row_of
+
+        a = self.async_drafter
+        B = len(reqs)
+        rows: list = [None] * B
+        need = np.zeros(B, dtype=bool)
+        for b, r in enumerate(reqs):
+            if budgets[b] > 0:
+                rows[b] = a.take(r.id, len(r.tokens), int(budgets[b]))
+                need[b] = rows[b] is None
+        proposals: list = [[] for _ in reqs]
+        if need.any() and a.idle():
+            drafts, use, props = self._draft(reqs, np.where(need, budgets, 0).astype(np.int32))
+            if drafts is not None:
+                for b in np.flatnonzero(need & use):
+                    rows[b], proposals[b] = row_of(drafts, b), props[b]
+        elif need.any():
+            log.debug("the drafting thread is busy: %d requests decode without drafts this step", int(need.sum()))
+        drafts = combine(rows)
+        return drafts, (budgets > 0) & self._in_vocab(reqs, drafts), proposals
 
     def launch(self, plan: StepPlan) -> Any:
         """Starts the forward pass over the plan's trees."""
-        plan.launched = time.perf_counter()
+        plan.launched = plan.times["launched"] = time.perf_counter()
         topk = self.drafting.observe_topk if self.drafting is not None else 0
         if topk:  # a source observes the target's top-k next tokens (asked for only then)
             return self.backend.launch(slice(0, len(plan.requests)), plan.batch, plan.greedy, topk=topk)
@@ -560,6 +646,7 @@ class LLMEngine:
         """
         out = self.backend.collect(handle)
         t_forward = time.perf_counter() - plan.launched
+        plan.times["forward"] = time.perf_counter()
         reqs, batch = plan.requests, plan.batch
         B = len(reqs)
         node = np.zeros(B, dtype=np.int64)
@@ -580,6 +667,10 @@ class LLMEngine:
                                        None if plan.trials is None else [plan.trials[b] for b in s])
             node[s], count[s], bonus[s] = acc.node, acc.count, acc.bonus
             errors.update({int(s[j]): e for j, e in enumerate(errs) if e})
+        plan.times["accepted"] = time.perf_counter()
+        # async: the drafting thread must let go of the pipeline before requests stop or extend
+        job = self.async_drafter.wait() if plan.grown else None
+        plan.times["waited"] = time.perf_counter()
         # every accepted path's K/V down to consecutive positions, in one move
         path = batch.ancestors[np.arange(B), node]
         path[:, 0] = False
@@ -629,18 +720,31 @@ class LLMEngine:
         self.metrics.decode_step(B, int(batch.sizes.sum()), plan.budget, plan.draft_seconds, t_forward, n_emitted,
                                  accepted)
         if self.drafting is not None and out.topk is not None:
-            self._observe(reqs, batch, out.topk, errors)
+            self._drafting_call(self._observe, reqs, batch, out.topk, errors)
         if self.drafting is not None:
             live = [(rid, toks) for rid, toks in emitted.items()
                     if toks and not self.requests[rid].finished and self.requests[rid].draft]
+            if self.async_drafter is not None:  # the next step's trees: the grown ones, re-rooted
+                if job is not None:
+                    self.async_drafter.reroot_all(job, dict(live))
+                else:
+                    self.async_drafter.prepared.clear()
             if live:
-                try:
-                    self.drafting.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
-                except Exception as e:  # noqa: BLE001 - rebuild each state from the request's own tokens
-                    log.warning("drafter update failed (%s); reopening the requests' drafter states", e)
-                    for rid, _ in live:
-                        self._open_draft(self.requests[rid])
-        self.planner.observe(B, plan.budget, time.perf_counter() - plan.started, n_emitted)
+                self._drafting_call(self._extend, live)
+        seconds = time.perf_counter() - plan.started
+        self.planner.observe(B, plan.budget, seconds, n_emitted)
+        if self.mode_chooser is not None and plan.budget:
+            self.mode_chooser.observe(B, plan.mode, seconds, n_emitted)
+        if self.metrics.timeline is not None:
+            self.metrics.timeline.append(_timeline_entry(plan, job, n_emitted, sum(accepted), time.perf_counter()))
+
+    def _extend(self, live: list[tuple[int, list[int]]]) -> None:
+        try:
+            self.drafting.extend_batch([rid for rid, _ in live], [toks for _, toks in live])
+        except Exception as e:  # noqa: BLE001 - rebuild each state from the request's own tokens
+            log.warning("drafter update failed (%s); reopening the requests' drafter states", e)
+            for rid, _ in live:
+                self._open_draft(self.requests[rid])
 
     def _observe(self, reqs: list[Request], batch: TreeBatch, topk: np.ndarray, errors: dict[int, str]) -> None:
         """Shows the observing draft sources every node verified this step (rows that failed aside)."""
@@ -663,9 +767,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             log.warning("drafting failed for this step (%s); decoding without drafts", e)
             return None, None, None
-        sizes = np.diff(drafts.offsets)
-        use = budgets > 0
+        return drafts, (budgets > 0) & self._in_vocab(reqs, drafts), proposals
+
+    def _in_vocab(self, reqs: list[Request], drafts: Any) -> np.ndarray:
+        """[B] rows whose tree holds only ids the model knows (the others are logged)."""
+        use = np.ones(len(reqs), dtype=bool)
         if drafts.tokens.size:
+            sizes = np.diff(drafts.offsets)
             nonempty = sizes > 0
             top = np.zeros(len(reqs), dtype=np.int64)
             top[nonempty] = np.maximum.reduceat(drafts.tokens, drafts.offsets[:-1][nonempty])
@@ -675,7 +783,7 @@ class LLMEngine:
                     log.warning("request %s: the draft holds token id %d outside the model's vocabulary (%d); "
                                 "dropped", reqs[b].id, int(top[b]), self.backend.info.vocab_size)
                 use &= ~bad
-        return drafts, use, proposals
+        return use
 
     def _emit(self, req: Request, new: list[int]) -> list[int]:
         """Appends tokens one by one, honouring stop conditions; returns those kept."""
@@ -831,6 +939,19 @@ def _checked(configs: Any, datastore: Any, model_path: Path) -> Any:
     return configs.checked_or_defaults(datastore, model_path) if isinstance(configs, CalibrationFile) else configs
 
 
+def _timeline_entry(plan: StepPlan, job: Any, emitted: int, accepted: int, now: float) -> dict:
+    """A decode step's phases for the timeline: drafting (prepare), forward, acceptance and the
+    rest of finish, the wait for the drafting thread, and that thread's own drafting."""
+    t = plan.times
+    out = {"batch": len(plan.requests), "budget": plan.budget, "mode": plan.mode, "emitted": emitted,
+           "start": plan.started, "prepared": t.get("prepared", plan.started), "launched": t.get("launched"),
+           "forward": t.get("forward"), "accepted_at": t.get("accepted"), "waited": t.get("waited"), "end": now,
+           "accepted": int(accepted)}
+    if job is not None:
+        out.update(draft_start=job.started, draft_end=job.ended)
+    return out
+
+
 class EngineMetrics:
     """Counters and timings of the engine (the server exports them)."""
 
@@ -852,6 +973,8 @@ class EngineMetrics:
         self.kv_moves = 0               # accepted paths that were not the first branch (moved in the cache)
         self.draft_seconds = 0.0        # totals, for the engine-overhead benchmark
         self.forward_seconds = 0.0
+        #: per decode step, its phases' perf_counter marks (None: not recorded; a list records them)
+        self.timeline: list[dict] | None = None
 
     def prefill(self, tokens: int, seconds: float) -> None:
         self.prefill_tokens += tokens

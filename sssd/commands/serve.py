@@ -58,6 +58,10 @@ def setup(p: argparse.ArgumentParser):
                         "tokens), recent (other requests' recent outputs), self:snapkv or self:streamingllm "
                         "(MagicDec: the model itself over a sparse KV of 512 positions, or self:snapkv:N of N; "
                         "for long contexts); 'none' serves without speculation")
+    p.add_argument("--draft-mode", default="serial", choices=("serial", "async"),
+                   help="serial drafts each step before its forward pass; async grows the next step's trees on a "
+                        "drafting thread while the model verifies (SwiftSpec), where measured to be faster, and "
+                        "drafts serially where it is not (default: serial)")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
@@ -232,7 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile,
-                          datastore_residency=args.datastore_residency)
+                          datastore_residency=args.datastore_residency, draft_mode=args.draft_mode)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     datastores = [datastore, *extra] if extra else datastore  # the first is retrieval's, the others their own sources
     engine = LLMEngine(args.model, datastore=datastores if speculate else None, drafter=drafter, config=config,
