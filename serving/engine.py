@@ -94,6 +94,7 @@ class EngineConfig:
     threads: int | None = None
     reprofile: bool = False
     datastore_residency: str = "warm"
+    pipeline_stages: int = 1
     draft_mode: str = "serial"
     draft_threads: int | None = None
 
@@ -103,6 +104,9 @@ class EngineConfig:
         if self.datastore_residency not in RESIDENCY:
             raise ValueError(f"datastore_residency must be one of {', '.join(RESIDENCY)}, "
                              f"got {self.datastore_residency!r}")
+        if isinstance(self.pipeline_stages, bool) or not isinstance(self.pipeline_stages, int) \
+                or self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be an int >= 1, got {self.pipeline_stages!r}")
         for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -183,10 +187,18 @@ class LLMEngine:
 
             positions = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
             capacity = min(self.config.max_model_len, int(positions)) if positions else self.config.max_model_len
-            from sssd.serving.torch_backend import TorchBackend
+            if self.config.pipeline_stages > 1:  # the layers split over processes (pipeline_backend.py)
+                from sssd.serving.pipeline_backend import PipelineBackend
 
-            backend = TorchBackend(path, slots=self.config.max_running, capacity=capacity, dtype=self.config.dtype,
-                                   device=self.config.device, threads=self.config.threads)
+                backend = PipelineBackend(path, self.config.pipeline_stages, slots=self.config.max_running,
+                                          capacity=capacity, dtype=self.config.dtype, device=self.config.device,
+                                          threads=self.config.threads or 1)
+            else:
+                from sssd.serving.torch_backend import TorchBackend
+
+                backend = TorchBackend(path, slots=self.config.max_running, capacity=capacity,
+                                       dtype=self.config.dtype, device=self.config.device,
+                                       threads=self.config.threads)
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         info = backend.info
@@ -240,6 +252,11 @@ class LLMEngine:
         self._generator.seed()
         self.step_count = 0
         self.metrics = EngineMetrics()
+        self.pipeline = None  # with pipeline stages, decode steps run SpecPipe's schedule (specpipe.py)
+        if self.config.pipeline_stages > 1:
+            from sssd.serving.specpipe import SpecPipe
+
+            self.pipeline = SpecPipe(self)
 
     def _profile(self):
         return self.backend.profile(log=_log, force=self.config.reprofile)
@@ -394,7 +411,9 @@ class LLMEngine:
         self._admit()
         if self.num_decode < len(self.slots):
             self._prefill()
-        if self.num_decode:
+        if self.num_decode and self.pipeline is not None:
+            self.pipeline.decode()
+        elif self.num_decode:
             plan = self.prepare()
             self.grow(plan)
             self.finish(plan, self.launch(plan))
