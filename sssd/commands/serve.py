@@ -62,6 +62,11 @@ def setup(p: argparse.ArgumentParser):
                    help="serial drafts each step before its forward pass; async grows the next step's trees on a "
                         "drafting thread while the model verifies (SwiftSpec), where measured to be faster, and "
                         "drafts serially where it is not (default: serial)")
+    p.add_argument("--pipeline-stages", type=int, default=1,
+                   help="split the model's layers into this many pipeline stages, one process each (CPU, gloo), "
+                        "decoding with SpecPipe's pipelined token trees (the draft sources feed a tree layer per "
+                        "step; with --draft none, plain pipelined decoding); --threads is then per stage "
+                        "(default: 1, no pipeline)")
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
     p.add_argument("--reprofile", action="store_true",
                    help="measure the forward-time profile the planner uses again, replacing the cached one "
@@ -109,6 +114,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     for name in ("max_running", "max_model_len", "max_waiting", "max_tokens", "threads", "max_body_bytes"):
         positive(name)
+    if getattr(args, "pipeline_stages", 1) < 1:
+        raise ValueError(f"--pipeline-stages must be >= 1, got {args.pipeline_stages}")
     if args.budget is not None and not 0 <= args.budget <= int(_core.MAX_BUDGET):
         raise ValueError(f"--budget must be in 0-{int(_core.MAX_BUDGET)}, got {args.budget}")
     if not args.request_timeout > 0:
@@ -236,7 +243,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile,
-                          datastore_residency=args.datastore_residency, draft_mode=args.draft_mode)
+                          datastore_residency=args.datastore_residency, draft_mode=args.draft_mode,
+                          pipeline_stages=getattr(args, "pipeline_stages", 1))
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     datastores = [datastore, *extra] if extra else datastore  # the first is retrieval's, the others their own sources
     engine = LLMEngine(args.model, datastore=datastores if speculate else None, drafter=drafter, config=config,
