@@ -93,9 +93,8 @@ CATCHUP_TOKENS = 1024
 RATE_PRIOR = 8.0
 #: Deepest level and highest child rank with a rate of their own (deeper ones share the last).
 RATE_DEPTHS, RATE_RANKS = 16, 8
-#: Chain levels a growing tree (async drafting) adds at most past its expansion, and at least
-#: (the next root lies one level past the verified tree: without them it is never there).
-MAX_GROW_LEVELS, MIN_GROW_LEVELS = 16, 2
+#: Chain levels a growing tree (async drafting) adds at most past its expansion.
+MAX_GROW_LEVELS = 16
 
 
 def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...]:
@@ -522,10 +521,18 @@ class ModelDrafter(DraftSource):
                     states.append(hidden[b])
             hidden = torch.stack(states)
         sampled = [r.temperature >= 1e-5 for r in reqs]
+        # growing: levels until every tree is twice the expansion deep (the next step's tree starts
+        # below the verified one, about an expansion deep; a carried tree may be deep enough), then
+        # more while the verifier runs; else the expansion's levels
+        need = levels
+        if grow is not None:
+            need = 2 * levels - min(max(t.depths, default=0) for t in trees)
         for level in range(1, levels + MAX_GROW_LEVELS + 1):
+            if grow is not None and level > need and not grow():
+                break
             ks = [[self._k(0 if n < 0 else t.depths[n]) for n in f] for t, f in zip(trees, frontier)]
             new = self._expand(reqs, trees, frontier, hidden, ks, sampled)
-            if not any(new) or level >= levels and (grow is None or level >= levels + MIN_GROW_LEVELS and not grow()):
+            if not any(new) or level >= need and (grow is None or not grow()):
                 break
             h = self.backend.hidden_states(slice(0, len(reqs)), _TreePass.of(trees, new))
             self.passes += 1
