@@ -117,6 +117,18 @@ def run(model_path, backend, datastore, draft, prompts, kvs, max_tokens, budget,
     return [done[i] for i in ids], time.perf_counter() - t0, eng
 
 
+def store_acceptance(path: Path, sweeps: list[dict]) -> None:
+    """Writes the swept per-depth acceptance rates (method -> KV budget -> rates) into the cost
+    file at `path`: the engine's self sources then pick their KV budget by the cost model."""
+    d = json.loads(path.read_text())
+    table = d.setdefault("acceptance", {})
+    for r in sweeps:
+        rates = [x if x == x else 0.0 for x in r["depth_rates"]]  # NaN (never reached): 0
+        table.setdefault(r["method"], {})[str(r["kv_budget"])] = rates
+    path.write_text(json.dumps(d, indent=1))
+    _log(f"acceptance vs KV budget -> {path}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -156,7 +168,7 @@ def main(argv=None) -> None:
     cost = load_cost(backend, a.kv_budget)
     spec = f"self:{a.method}:{a.kv_budget}"
     drafts = {"plain": [], "retrieval": ["retrieval"], "self": [spec], "both": ["retrieval", spec]}
-    table = []
+    table, sweeps = [], []
     for size in sizes:
         recs = load(a.set or Path(__file__).resolve().parent / "out" / "long_context.jsonl", size=size)
         # alternate the kinds: ShareGPT chats and stdlib files
@@ -203,6 +215,11 @@ def main(argv=None) -> None:
                             rate=acc / max(drafted, 1), depth_rates=rates.tolist(), seconds=secs)
                     _log(f"  sweep {size} {method:<12} kv {kb:>5}: {acc}/{drafted} accepted "
                          f"({acc / max(drafted, 1):.2f}), per depth {np.round(rates, 2).tolist()}")
+                    sweeps.append({"method": method, "kv_budget": kb, "depth_rates": rates.tolist()})
+            from sssd.serving.self_drafter import cost_file
+
+            if cost_file(backend).is_file():
+                store_acceptance(cost_file(backend), sweeps)
         del kvs
     if table:
         _log("\nsize  batch  " + "  ".join(f"{v:>16}" for v in variants))

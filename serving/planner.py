@@ -280,6 +280,8 @@ class SelfSpecCostModel:
         self.margin = float(margin)
         self.meta = dict(meta or {})
         self._draft: dict[int, float] = {}   # batch bucket -> measured seconds per draft pass
+        #: method -> KV budget -> measured per-depth acceptance rates (bench_magicdec --sweep)
+        self.acceptance: dict[str, dict[int, list]] = {}
 
     @classmethod
     def prior(cls, shape: dict, kv_budget: int, bandwidth: float = 8e9, flops: float = 4e10,
@@ -306,11 +308,14 @@ class SelfSpecCostModel:
         return cls(coef, kv_budget, meta={"source": "measured", "points": len(pts)}, **kw)
 
     def to_dict(self) -> dict:
-        return {"coef": self.coef.tolist(), "kv_budget": self.kv_budget, "margin": self.margin, "meta": self.meta}
+        return {"coef": self.coef.tolist(), "kv_budget": self.kv_budget, "margin": self.margin, "meta": self.meta,
+                "acceptance": self.acceptance}
 
     @classmethod
     def from_dict(cls, d: dict, kv_budget: int | None = None) -> SelfSpecCostModel:
-        return cls(d["coef"], d["kv_budget"] if kv_budget is None else kv_budget, d.get("margin", 1.05), d.get("meta"))
+        model = cls(d["coef"], d["kv_budget"] if kv_budget is None else kv_budget, d.get("margin", 1.05), d.get("meta"))
+        model.acceptance = {m: {int(k): list(v) for k, v in t.items()} for m, t in (d.get("acceptance") or {}).items()}
+        return model
 
     def time(self, batch: int, tokens: int, kv: int) -> float:
         """Seconds of one pass: `batch` rows of `tokens` tokens reading `kv` positions each."""
@@ -322,12 +327,13 @@ class SelfSpecCostModel:
         context = max(int(context), 1)
         return self.time(batch, 1, min(self.kv_budget, context)) / self.time(batch, 1, context)
 
-    def speedup(self, batch: int, context: int, rates: np.ndarray, gamma: int) -> float:
-        """Expected tokens per second over plain decoding's, drafting chains of `gamma`."""
+    def speedup(self, batch: int, context: int, rates: np.ndarray, gamma: int, kv_budget: int | None = None) -> float:
+        """Expected tokens per second over plain decoding's, drafting chains of `gamma` (over a
+        KV of `kv_budget` positions; default the model's)."""
         if gamma < 1:
             return 1.0
         accepted = 1.0 + float(np.cumprod(np.asarray(rates, dtype=np.float64)[:gamma]).sum())
-        S = min(self.kv_budget, max(int(context), 1))
+        S = min(self.kv_budget if kv_budget is None else int(kv_budget), max(int(context), 1))
         step = gamma * self.time(batch, 1, S + gamma // 2) + self.time(batch, gamma + 1, context)
         return accepted * self.time(batch, 1, context) / step
 
@@ -340,6 +346,19 @@ class SelfSpecCostModel:
             if s > gain:
                 best, gain = g, s
         return best
+
+    def best_plan(self, batch: int, context: int, rates_by_budget: dict, cap: int = 8) -> tuple[int, int, float]:
+        """(KV budget, gamma, expected speedup) with the best expected speedup at this batch and
+        context, over the KV budgets whose per-depth acceptance rates were measured
+        (`rates_by_budget`: budget -> [depth] rates, e.g. bench_magicdec --sweep's); gamma 0 and
+        speedup 1 when none pays."""
+        best = (0, 0, self.margin)
+        for kb, rates in sorted((int(k), v) for k, v in rates_by_budget.items()):
+            for g in range(1, int(cap) + 1):
+                s = self.speedup(batch, context, np.asarray(rates, dtype=np.float64), g, kb)
+                if s > best[2]:
+                    best = (kb, g, s)
+        return best if best[1] else (0, 0, 1.0)
 
     def critical_context(self, batch: int, rates: np.ndarray, cap: int, longest: int = 1 << 17) -> int | None:
         """The shortest context (a power of two times 256) at which drafting pays; None: none up to `longest`."""

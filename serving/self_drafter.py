@@ -231,8 +231,15 @@ class SelfDrafter(DraftSource):
             req = engine.requests[rid]
             return req.slot, req.cached
 
+        measured = load_cost(engine.backend, budget or DEFAULT_KV_BUDGET)
+        if budget is None and measured is not None and measured.acceptance.get(method):
+            # no budget given: the measured one that pays best at full batch and context
+            planned, _, _ = measured.best_plan(engine.config.max_running, engine.max_model_len,
+                                               measured.acceptance[method])
+            if planned:
+                budget = planned
+                measured.kv_budget = planned
         src = cls(engine.backend, locate, method, kv_budget=budget, slots=engine.config.max_running)
-        measured = load_cost(engine.backend, src.kv_budget)
         if measured is not None:
             src.cost = measured
         return src

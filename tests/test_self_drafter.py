@@ -174,6 +174,13 @@ def test_the_cost_model_drafts_only_past_the_critical_context_and_gains_with_bat
     fitted = SelfSpecCostModel.fit(pts, 512)
     assert np.allclose(fitted.coef, truth.coef, rtol=1e-3)
     assert c.max_position_embeddings == 512
+    # the KV budget: the measured acceptance per budget against what a larger view costs
+    rates_by_budget = {64: [0.3] * 8, 512: [0.8] * 8, 4096: [0.85] * 8}
+    kb, g, s = cost.best_plan(16, 8192, rates_by_budget)
+    assert kb == 512 and g >= 1 and s > 1   # 64 is accepted too rarely, 4096 costs too much
+    assert cost.best_plan(1, 256, rates_by_budget) == (0, 0, 1.0)
+    again = SelfSpecCostModel.from_dict(cost.to_dict() | {"acceptance": {"snapkv": rates_by_budget}})
+    assert again.acceptance["snapkv"][512] == [0.8] * 8 and np.allclose(again.coef, cost.coef)
 
 
 def test_bad_specs_and_prompts_are_refused_clearly(llama):
