@@ -106,6 +106,8 @@ def test_layers_split_evenly_and_bad_counts_are_refused():
         split_layers(4, 5)
     with pytest.raises(ValueError, match="pipeline_stages must be an int >= 1"):
         EngineConfig(pipeline_stages=0)
+    with pytest.raises(ValueError, match="does not apply with pipeline stages"):
+        EngineConfig(pipeline_stages=2, draft_mode="async")
 
 
 def test_plain_pipelined_decoding_is_token_identical(llama, plain, two_stages):
