@@ -34,6 +34,7 @@ one scratch position that padding queries write to and read.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import socket
@@ -296,7 +297,7 @@ def _stage_main(rank: int, stages: int, port: int, path: str, layers: tuple[int,
     torch.set_num_threads(max(1, threads))
     try:
         import torch.distributed as dist
-        from transformers import AutoModelForCausalLM  # noqa: F401 - imported by every stage at once, before the loads
+        importlib.import_module("transformers.models.auto.modeling_auto")  # every stage at once, before the loads
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=stages,
                                 timeout=timedelta(seconds=timeout))
