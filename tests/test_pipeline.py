@@ -138,6 +138,18 @@ def test_pipelined_trees_are_token_identical(llama, plain, two_stages, levels, w
         assert eng.metrics.num_accepted_tokens > st.verified - st.flushes  # walks go deeper than one node
 
 
+def test_pipelined_trees_drafted_by_a_model_are_token_identical(llama, plain, two_stages):
+    """A draft model (the target itself, through the engine's DraftPipeline) feeds the tree:
+    nearly every token is accepted, and the output is still plain decoding's."""
+    from sssd.serving.model_drafter import ModelDrafter
+
+    src = ModelDrafter(llama, target=llama, slots=two_stages.slots, capacity=128 + 64, expansion=(2, 1, 1))
+    eng = _engine(llama, two_stages, 2, [src], budget=4)
+    assert _run(eng) == plain
+    st = eng.pipeline.stats
+    assert st.flushes <= len(PROMPTS) + 2 and st.emitted / st.steps > 0.9  # about one token per step
+
+
 def test_three_stages_with_requests_arriving_and_leaving(llama, plain, three_stages):
     for levels in (1, 2):
         eng = _engine(llama, three_stages, 3, [Oracle(plain, wrong_every=3)], budget=3)
