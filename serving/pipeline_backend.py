@@ -380,6 +380,7 @@ class PipelineBackend(VerifierBackend):
         self.positions = capacity + arena + 1
         self.trash = capacity + arena  # where padding queries write and read
         self.dtype = getattr(torch, dtype)
+        self.device = torch.device("cpu")  # where the stages run (the driver holds no tensors of the model)
         self.threads = threads
         self.timeout = timeout
         self.dead: str | None = None
