@@ -68,10 +68,10 @@ DEFAULT_LEVELS = 1
 
 
 class _Node:
-    __slots__ = ("token", "parent", "pos", "home", "stage", "children", "alive")
+    __slots__ = ("token", "parent", "pos", "home", "stage", "children", "alive", "source")
 
-    def __init__(self, token: int, parent: _Node | None, pos: int, home: int):
-        self.token, self.parent, self.pos, self.home = token, parent, pos, home
+    def __init__(self, token: int, parent: _Node | None, pos: int, home: int, source: int = -1):
+        self.token, self.parent, self.pos, self.home, self.source = token, parent, pos, home, source
         self.stage = 0            # stages that have computed it
         self.children: list[_Node] = []
         self.alive = True
@@ -246,7 +246,7 @@ class SpecPipe:
             if id(f.root) not in outputs:
                 continue
             try:
-                toks, a = self._verify(r, f, outputs, logits, moves)
+                toks, a, tags = self._verify(r, f, outputs, logits, moves)
             except _RowError as e:
                 eng._finish(r, "error", retire=False, error=str(e))
                 self.flights.pop(r.id).drop(None, be.capacity)
@@ -254,6 +254,7 @@ class SpecPipe:
             accepted.append(a)
             try:
                 emitted[r.id] = eng._emit(r, toks)
+                self._count(r, emitted[r.id], tags[: len(emitted[r.id])])  # what a stop cut off is not counted
             except Exception as e:  # noqa: BLE001 - this request's failure is its own
                 log.exception("request %s failed in its decode step", r.id)
                 eng._finish(r, "error", retire=False, error=f"{type(e).__name__}: {e}")
@@ -279,17 +280,34 @@ class SpecPipe:
                     for rid, _ in upd:
                         eng._open_draft(eng.requests[rid])
 
+    def _count(self, r, toks: list[int], tags: list[int]) -> None:
+        """A verification in the request's stats: one step emitting len(toks) tokens (RequestStats
+        counts every token past a step's first as accepted), and the tree tokens by source."""
+        st = r.stats
+        st.steps += 1
+        st.accepted += max(len(toks) - 1, 0)
+        st.accepted_per_step.append(max(len(toks) - 1, 0))
+        st.budgets.append(self.width)
+        drafting = self.engine.drafting
+        names = drafting.source_names if drafting is not None else {}
+        for tag in tags:
+            name = names.get(tag, "external")
+            st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
+            by = self.engine.metrics.accepted_by_source
+            by[name] = by.get(name, 0) + 1
+
     def _root_of(self, n: _Node) -> _Node:
         while n.parent is not None and n.parent.alive:
             n = n.parent
         return n
 
     # -- verification -----------------------------------------------------------------------------
-    def _verify(self, r, f: _Flight, outputs: dict, logits, moves) -> tuple[list[int], int]:
+    def _verify(self, r, f: _Flight, outputs: dict, logits, moves) -> tuple[list[int], int, list[int]]:
         """Walks from the root through nodes the last stage computed this step; returns the tokens
-        to emit and the draft tokens accepted, re-roots the flight and queues the KV moves."""
+        to emit, the draft tokens accepted and their sources' tags, re-roots the flight and queues
+        the KV moves."""
         eng, S, cap = self.engine, self.S, self.backend.capacity
-        u, toks, a = f.root, [], 0
+        u, toks, a, tags = f.root, [], 0, []
         while True:
             am, row = outputs[id(u)]
             if am >= 0:
@@ -311,8 +329,9 @@ class SpecPipe:
                 f.drop(None, cap)
                 f.root, f.entered = new, False
                 r.cached = new.pos + 1
-                return toks, a
+                return toks, a, tags
             a += 1
+            tags.append(c.source)
             _commit(r.slot, c, c.stage, moves)
             if c.stage == S:  # computed by every stage this step too: go on from it
                 u = c
@@ -324,7 +343,7 @@ class SpecPipe:
             c.parent = None
             f.root = c
             r.cached = c.pos + 1
-            return toks, a
+            return toks, a, tags
 
     # -- drafting ----------------------------------------------------------------------------------
     def _draft(self, reqs) -> dict[int, list[_Node]]:
@@ -351,13 +370,13 @@ class SpecPipe:
             s, e = int(drafts.offsets[b]), int(drafts.offsets[b + 1])
             if e > s:
                 nodes = self._append(self.flights[r.id], tree, drafts.tokens[s:e], drafts.parents[s:e],
-                                     drafts.scores[s:e])
+                                     drafts.scores[s:e], drafts.sources[s:e])
                 if nodes:
                     out[r.id] = nodes
                     r.stats.drafted += len(nodes)
         return out
 
-    def _append(self, f: _Flight, tree: list[_Node], tokens, parents, scores) -> list[_Node]:
+    def _append(self, f: _Flight, tree: list[_Node], tokens, parents, scores, sources) -> list[_Node]:
         """Appends the best-scored draft nodes hanging under the in-flight tree (found by token path)."""
         vocab = self.engine.backend.info.vocab_size
         kids: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
@@ -384,7 +403,7 @@ class SpecPipe:
             _, k, _, par = heapq.heappop(heap)
             if par.pos + 1 - root.pos > frontier + self.levels or par.child(int(tokens[k])) is not None:
                 continue
-            n = _Node(int(tokens[k]), par, par.pos + 1, f.free.pop())
+            n = _Node(int(tokens[k]), par, par.pos + 1, f.free.pop(), int(sources[k]))
             par.children.append(n)
             added.append(n)
             expand(k + 1, n)
