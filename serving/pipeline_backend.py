@@ -233,11 +233,15 @@ class _Stage:
             if self.rank < self.stages - 1 and w.send:
                 buf = outputs.contiguous()
                 self._sending = (dist.isend(buf, dst=self.rank + 1), buf)
-        if w.recv_after:
-            self.inbox = self._recv(w.recv_after)
         if self.rank == self.stages - 1 and (w.result is not None or w.ack):
             return self._results(outputs, w) if (w.result is not None and outputs is not None) else ("ack",)
         return None
+
+    def receive(self, w: Work) -> None:
+        """The hand-over after a pipelined step: the previous stage's output, this stage's next input
+        (after the results went out, so the driver verifies while earlier stages still compute)."""
+        if w.recv_after:
+            self.inbox = self._recv(w.recv_after)
 
     @torch.inference_mode()
     def _results(self, hidden: torch.Tensor, w: Work):
@@ -315,6 +319,7 @@ def _stage_main(rank: int, stages: int, port: int, path: str, layers: tuple[int,
                 out = stage.run(msg[1])
                 if out is not None:
                     conn.send(out)
+                stage.receive(msg[1])
             elif kind == "move":
                 stage.pool.move(*msg[1:])
             elif kind == "swap":
