@@ -96,7 +96,7 @@ def setup(p: argparse.ArgumentParser):
             result.sources[fit.source] = fit.to_dict()
             print(f"{fit.source}: discount scale {fit.best.scale:g}, depth decay {fit.best.depth_decay:g} at budget "
                   f"{fit.budget}: estimated MAT {fit.best_mat:.3f} (its default discount {fit.reference_mat:.3f}, "
-                  f"retrieval alone {fit.retrieval_mat:.3f}; {fit.steps} steps, {fit.seconds:.0f} s)", file=sys.stderr)
+                  f"retrieval alone at the same steps {fit.retrieval_mat:.3f}; {fit.steps} steps, {fit.seconds:.0f} s)", file=sys.stderr)
         from sssd.paths import portable
 
         provenance = portable({"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
