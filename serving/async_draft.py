@@ -345,7 +345,7 @@ class ModeChooser:
     """Chooses, per batch-size bucket, serial or async drafting by measured tokens per second.
 
     Blocks of BLOCK_STEPS steps run in one mode; the first two blocks of a bucket measure
-    each mode, then the faster runs, and every PROBE_EVERY blocks the slower is measured
+    each mode (serial first), then the faster runs, and every PROBE_EVERY blocks the slower is measured
     again (machines and workloads change). Smoothed totals per mode, never a constant.
     """
 
@@ -364,7 +364,7 @@ class ModeChooser:
         if self.fixed is not None:
             return self.fixed
         key = self.bucket(batch)
-        st = self._state.setdefault(key, ["async", self.block, 0])
+        st = self._state.setdefault(key, ["serial", self.block, 0])  # serial first: the known cost
         if st[1] <= 0:
             stats = self._stats.get(key, {})
             st[2] += 1

@@ -330,8 +330,11 @@ def test_draft_mode_is_validated_and_reaches_the_engine(llama):
 
 
 def test_serve_takes_draft_mode(capsys):
-    from sssd import commands  # noqa: F401  (registers the subcommands)
+    import importlib
+
     from sssd.cli import _parser, main
+
+    importlib.import_module("sssd.commands")  # registers the subcommands
 
     parser = _parser()
     assert parser.parse_args(["serve", "--draft-mode", "async"]).draft_mode == "async"
