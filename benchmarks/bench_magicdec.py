@@ -132,7 +132,8 @@ def store_acceptance(path: Path, sweeps: list[dict]) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--set", type=Path, default=None, help="the long-context set (default: benchmarks/out/long_context.jsonl)")
+    p.add_argument("--set", type=Path, default=None,
+                   help="the long-context set (default: benchmarks/out/long_context.jsonl)")
     p.add_argument("--sizes", default="2048,4096,8192")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--variants", default="plain,retrieval,self,both")

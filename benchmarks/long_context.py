@@ -174,7 +174,8 @@ def main(argv=None) -> None:
         for kind in ("sharegpt", "stdlib"):
             rs = [r for r in recs if r["size"] == size and r["kind"] == kind]
             if rs:
-                print(f"{size:>6} {kind:<9} {len(rs)} prompts, {int(np.mean([r['tokens'] for r in rs]))} tokens on average")
+                mean = int(np.mean([r["tokens"] for r in rs]))
+                print(f"{size:>6} {kind:<9} {len(rs)} prompts, {mean} tokens on average")
     print(f"wrote {len(recs)} prompts to {a.out}")
 
 

@@ -458,7 +458,6 @@ class SelfDrafter(DraftSource):
     def _chains(self, reqs: list[DraftRequest], gamma: int) -> list[_Tree]:
         """Drafts every request's chain in gamma passes of one token per request."""
         B, K = len(reqs), self.kv_budget
-        dev = self.pool.kv.device
         trees = [_Tree(len(r.tokens), min(int(r.budget), gamma), [], [], [], [], [], [], [], [], [], {}) for r in reqs]
         valid = np.stack([self._view[r.request_id].valid for r in reqs])          # [B, K]
         kv_pos = np.stack([self._view[r.request_id].positions for r in reqs])     # [B, K]
@@ -517,6 +516,7 @@ class SelfDrafter(DraftSource):
                 near = positions[:, :, None] - kv_positions[:, None, :] < be.info.sliding_window
                 mask["sliding_attention"] = full & torch.from_numpy(near).to(dev)[:, None]
         step = attention.PoolStep(self.pool, slice(0, B), torch.from_numpy(writes).to(dev), length)
-        out = be.model.model(input_ids=torch.from_numpy(tokens).to(dev), position_ids=torch.from_numpy(positions).to(dev),
-                             attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step})
+        out = be.model.model(input_ids=torch.from_numpy(tokens).to(dev),
+                             position_ids=torch.from_numpy(positions).to(dev), attention_mask=mask, use_cache=False,
+                             **{attention.STEP_KWARG: step})
         return out.last_hidden_state
