@@ -48,9 +48,8 @@ a target pass that shrinks as the context grows past the budget and as the
 batch grows (more KV per pass), a chain is accepted at the measured
 per-depth rates, and gamma maximises expected tokens per second. Below the
 critical context (where no gamma beats plain decoding) the source proposes
-nothing; beside retrieval it defers to retrieval there
-(DraftSource.defers_to_retrieval), and above it drafts every step, its
-chain merged with retrieval's tree.
+nothing (beside retrieval, retrieval drafts alone there); above it the
+chain drafts every step, merged with retrieval's tree.
 """
 
 from __future__ import annotations
@@ -170,8 +169,6 @@ class SelfDrafter(DraftSource):
         cost: the planner's SelfSpecCostModel (default: the roofline prior, refined by
             measurement).
         seed / temperature: of the draws for sampled requests (None: each request's own).
-        complement: beside retrieval, below the critical context draft only where the chain pays
-            (defers_to_retrieval); above it the chain drafts every step.
 
     Raises:
         ValueError: an unknown method, a budget or gamma out of range.
@@ -180,8 +177,7 @@ class SelfDrafter(DraftSource):
     def __init__(self, backend: Any, locate: Callable[[int], tuple[int, int]], method: str = "snapkv", *,
                  kv_budget: int | None = None, slots: int = 32, gamma: int | None = None,
                  sinks: int = DEFAULT_SINKS, obs_window: int = DEFAULT_OBS_WINDOW, window: int | None = None,
-                 cost: Any = None, seed: int = 0, temperature: float | None = None, name: str | None = None,
-                 complement: bool = True):
+                 cost: Any = None, seed: int = 0, temperature: float | None = None, name: str | None = None):
         from sssd.serving.planner import SelfSpecCostModel
 
         if method not in METHODS:
@@ -201,7 +197,6 @@ class SelfDrafter(DraftSource):
         self.window = window
         self.temperature = temperature
         self.name = name or f"self:{method}"
-        self.complement = bool(complement)
         sh = backend.pool.shape
         self.pool = KVPool(PoolShape(layers=sh.layers, kv_heads=sh.kv_heads, head_dim=sh.head_dim, slots=slots,
                                      capacity=self.kv_budget + MAX_GAMMA + 1), backend.dtype, backend.device)
@@ -274,12 +269,9 @@ class SelfDrafter(DraftSource):
             self._owner[s] = None
 
     # -- what a chain is worth ------------------------------------------------------------------
-    @property
-    def defers_to_retrieval(self) -> bool:
-        """Beside retrieval, asked only where it pays (sources._pays) below the critical context of
-        the last step's batch and context; above it the cost model says the chain pays on its own,
-        and it drafts every step (the merge keeps the better nodes of both)."""
-        return self.complement and self.choose_gamma(self._batch, self._context, MAX_GAMMA) == 0
+    #: Never deferred by sources._pays: each step's propose asks the cost model at that step's batch
+    #: and context, and proposes nothing below the critical context (retrieval drafts alone there).
+    defers_to_retrieval = False
 
     def acceptance_rates(self) -> np.ndarray:
         """[depth] measured rate at which the target takes the chain's token at that depth, given the
