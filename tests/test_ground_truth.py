@@ -291,3 +291,19 @@ def test_cli_groundtruth(tiny_model, tmp_path, capsys):
     assert "empty prompt set" in capsys.readouterr().err
     assert main(["groundtruth", "--prompts", str(prompts), "--model", str(tmp_path / "nope"), "-q"]) == 1
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_cli_groundtruth_takes_one_side_of_the_split_before_the_limit(tiny_model, tmp_path, capsys):
+    from sssd.calibration.datasets import split_of
+    from sssd.cli import main
+
+    ids = [f"q{i}" for i in range(40)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "the cat"}) for i in ids) + "\n")
+    for part in ("dev", "eval"):
+        out = tmp_path / f"{part}.jsonl"
+        assert main(["groundtruth", "--prompts", str(prompts), "--model", str(tiny_model), "-o", str(out),
+                     "--max-new-tokens", "1", "--split", part, "--limit", "3", "-q"]) == 0
+        capsys.readouterr()
+        want = [i for i in ids if split_of(i) == part][:3]
+        assert len(want) == 3 and [r["id"] for r in _lines(out)[1:]] == want

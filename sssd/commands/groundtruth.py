@@ -38,6 +38,9 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("-o", "--output", type=_args.output_file,
                    help="the JSONL file (default: <sssd cache>/groundtruth/<model>/<dataset>.jsonl)")
     p.add_argument("--limit", type=_args.int_range(1), default=None, metavar="N", help="only the first N prompts of the set")
+    p.add_argument("--split", choices=("dev", "eval"), default=None,
+                   help="only the prompts of one side of the deterministic dev/eval partition (before --limit): "
+                        "calibrate on dev, report on eval (default: every prompt)")
     p.add_argument("--max-new-tokens", type=_args.int_range(1), default=256, help="output cap per prompt")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="model dtype (float32: outputs equal any exact float32 greedy decoder's)")
@@ -65,14 +68,18 @@ def setup(p: argparse.ArgumentParser):
         from sssd.calibration import datasets, ground_truth
 
         log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        limit = None if args.split else args.limit  # a split first, then the limit
         if args.prompts:
             records = datasets.from_jsonl(args.prompts)
-            records = records[: args.limit] if args.limit is not None else records
+            records = records[:limit] if limit is not None else records
             name = records[0].dataset if records else args.prompts
         else:
             name = args.dataset
-            records = datasets.load(name, limit=args.limit, both_turns=args.both_turns, datastore=args.datastore,
+            records = datasets.load(name, limit=limit, both_turns=args.both_turns, datastore=args.datastore,
                                     turns=args.turns)
+        if args.split:
+            records = datasets.split(records, args.split)
+            records = records[: args.limit] if args.limit is not None else records
         if not records:
             raise ValueError(f"empty prompt set {name!r}: nothing to do")
         common = dict(dataset=name, chat_template=args.chat_template, overwrite=args.overwrite,
