@@ -53,8 +53,8 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         raise RuntimeError(f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)")
     k, v = step.update(key, value, module.layer_idx)
     groups = query.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     if softcap:  # logit soft-capping (Gemma 2) has no fused kernel: the plain computation
+        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
         scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
         scores = torch.tanh(scores / softcap) * softcap
         if attention_mask is not None:
@@ -62,7 +62,10 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling)
+        # grouped-query heads read their shared K/V in place: copying them out per head (the expand above)
+        # cost 5-16x the attention itself at long contexts on this CPU, with bit-identical results
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
+                                                               enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
 
 
