@@ -26,7 +26,7 @@ from sssd.serving.params import SamplingParams
 from sssd.sources import Candidates, DraftRequest, DraftSource
 from sssd.tree import DraftBatch
 
-from tiny_models import tiny_model
+from tiny_models import perturbed_model, tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
 
@@ -39,16 +39,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def near_llama(llama, tmp_path_factory):
     """The target with its weights perturbed: a drafter close to it but not equal (q != p)."""
-    from transformers import AutoModelForCausalLM
-
-    out = tiny_model(tmp_path_factory.mktemp("drafter") / "llama", "llama")
-    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    return out
+    return perturbed_model(llama, tmp_path_factory.mktemp("drafter") / "llama")
 
 
 @pytest.fixture(scope="module")

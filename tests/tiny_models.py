@@ -51,3 +51,18 @@ def tiny_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2
     model.save_pretrained(folder)
     tokenizer_files(folder)
     return folder
+
+
+def perturbed_model(base: Path, folder: Path, scale: float = 0.3, seed: int = 1) -> Path:
+    """`base`'s weights plus Gaussian noise (`scale` x each tensor's std), with its architecture and
+    tokenizer, saved to `folder`: a drafter close to the target but not equal (q != p)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(folder)  # the tokenizer files
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(folder)
+    return folder
