@@ -11,23 +11,16 @@ Quick use::
     drafter = sssd.Drafter(datastore)      # stateful, batched, for engines
 """
 
-import os as _os
 from importlib.metadata import PackageNotFoundError, version as _version
 
-# The core's OpenMP runtime (the system libgomp, not the copy torch bundles)
-# reads its wait policy once, as the extension loads. Its default spins at
-# every barrier; beside a busy core (torch's threads, another process) a
-# spinning worker holds the core its partner needs, and a 2-thread suffix
-# sort ran 8-18x slower than on one thread (benchmarks/RESULTS.md). So it
-# sleeps instead, unless the user chose a policy; the variable is restored
-# afterwards, so torch's own runtime keeps its default.
-_policy = _os.environ.get("OMP_WAIT_POLICY")
-_os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-try:
-    from sssd import _core
-finally:
-    if _policy is None:
-        del _os.environ["OMP_WAIT_POLICY"]
+# The core's OpenMP runtime is the process's only one: the system libgomp and
+# the copy torch bundles share a soname, so whichever loads first serves both,
+# and it reads OMP_WAIT_POLICY once, as it loads. sssd leaves its default
+# (spin briefly at a barrier, then sleep). It used to set "passive" here for
+# the suffix sort's sake; that made torch's forward pass sleep between its
+# parallel regions too, 1.8x slower for SmolLM2 (benchmarks/RESULTS.md,
+# "Linear layers planned by row count"). A user's own setting is kept.
+from sssd import _core  # noqa: E402
 from sssd._core import SSSDError, UnknownRequestError
 from sssd.config import (
     Calibration,
