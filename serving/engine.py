@@ -201,7 +201,7 @@ class LLMEngine:
 
                 backend = TorchBackend(path, slots=self.config.max_running, capacity=capacity,
                                        dtype=self.config.dtype, device=self.config.device,
-                                       threads=self.config.threads)
+                                       threads=self.config.threads, log=_log)
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         info = backend.info

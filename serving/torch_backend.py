@@ -19,12 +19,13 @@ same logits (the same chunks for greedy rows).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from sssd.serving import attention
+from sssd.serving import attention, linear_plan
 from sssd.serving.backend import ModelInfo, NodeOutputs, VerifierBackend
 from sssd.serving.kv_cache import KVPool, PoolShape
 from sssd.serving.tree_batch import TreeBatch
@@ -49,13 +50,16 @@ class TorchBackend(VerifierBackend):
         dtype: torch dtype name ("float32" for exact equality tests).
         device: "cpu", "cuda", ... (default: CUDA if available).
         threads: torch intra-op threads (None: torch's default).
+        plan_linears: let each linear layer pick its CPU kernel by row count as measured on this
+            machine (linear_plan.py; also off with SSSD_LINEAR_PLAN=off).
+        log: where progress goes (the linear plan's first measurement).
     """
 
     def __init__(self, model: str | Path, slots: int, capacity: int, dtype: str = "float32",
-                 device: str | None = None, threads: int | None = None):
+                 device: str | None = None, threads: int | None = None, plan_linears: bool = True, log=None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        path = Path(model)
+        path = self._path = Path(model)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
         try:
@@ -80,6 +84,10 @@ class TorchBackend(VerifierBackend):
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{path}: cannot load it as a causal language model ({str(e).splitlines()[0]})") from e
         self.model.eval()
+        self.linear_plan = None
+        if plan_linears and linear_plan.enabled(self.device):
+            self.linear_plan = linear_plan.load_or_measure(self.model, self._weights_identity(), log=log)
+            linear_plan.install(self.model, self.linear_plan)
         self.config = self.model.config
         text = getattr(self.config, "text_config", None) or self.config
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -209,12 +217,17 @@ class TorchBackend(VerifierBackend):
         self.pool.swap(a, b, length)
 
     # -- cost --------------------------------------------------------------------------------
+    def _weights_identity(self) -> dict:
+        """What the speed of one of this model's matrix products depends on."""
+        path = self._path
+        return {"model": str(path), "mtime": (path / "config.json").stat().st_mtime, "dtype": str(self.dtype),
+                "device": str(self.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
     def identity(self) -> dict:
         """What a forward-time profile depends on."""
-        path = Path(self.info.path)
-        return {"backend": "torch", "model": str(path), "mtime": (path / "config.json").stat().st_mtime,
-                "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
-                "slots": self.slots, "torch": torch.__version__}
+        return dict(self._weights_identity(), backend="torch", slots=self.slots,
+                    linear_plan=linear_plan.plan_key(self.linear_plan))
 
     def profile(self, log=None, force: bool = False):
         from sssd.serving.profile import load_or_measure
