@@ -7,7 +7,9 @@ budgets with a forward profile measured with its own kernels. For each
 prompt set and batch size, four runs in one go, in this order: plain
 torch, plain planned, SSSD torch, SSSD planned (greedy, float32).
 
-Reported: tokens/s of each; planned over torch, for plain decoding and for
+Each configuration runs --repeats times, interleaved with the others (this
+VM's speed drifts by 10-20% from one minute to the next); the median is
+reported. Reported: tokens/s of each; planned over torch, for plain decoding and for
 SSSD; SSSD over plain under each; and two checks: SSSD's output is
 token-identical to plain decoding with the same kernels (the lossless
 promise), and how many outputs the two kernels' plain runs share (they
@@ -25,6 +27,8 @@ import argparse
 import gc
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts, run, summarize  # noqa: E402
@@ -53,6 +57,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: each engine's planner)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median reported)")
     args = ap.parse_args()
     if len(args.datastores) == 1:
         args.datastores = args.datastores * len(args.models)
@@ -81,14 +86,18 @@ def main() -> int:
             prompts_all = load_prompts(dataset, max(max(args.prompts, args.prompts_per_row * B) for B in args.batch_sizes))
             for B in args.batch_sizes:
                 prompts = prompts_all[: max(args.prompts, args.prompts_per_row * B)]
-                res, outs = {}, {}
-                for speculate in (False, True):
-                    for kind, (engine, p) in engines.items():
-                        use(backend, p)
-                        engine.config = engine.config.__class__(**{**engine.config.__dict__, "max_running": B})
-                        o, t = run(engine, prompts, args.max_tokens, speculate=speculate)
-                        key = ("sssd" if speculate else "plain", kind)
-                        res[key], outs[key] = summarize(o, t), [x.token_ids for x in o]
+                res, outs, rates = {}, {}, {}
+                for _ in range(args.repeats):  # interleaved repeats: a slow spell slows every run alike
+                    for speculate in (False, True):
+                        for kind, (engine, p) in engines.items():
+                            use(backend, p)
+                            engine.config = engine.config.__class__(**{**engine.config.__dict__, "max_running": B})
+                            o, t = run(engine, prompts, args.max_tokens, speculate=speculate)
+                            key = ("sssd" if speculate else "plain", kind)
+                            res[key], outs[key] = summarize(o, t), [x.token_ids for x in o]
+                            rates.setdefault(key, []).append(res[key]["tokens_per_s"])
+                for key, r in res.items():  # the median run's rate; every run's in "runs"
+                    r["tokens_per_s"], r["repeats"] = round(float(np.median(rates[key])), 3), rates[key]
                 lossless = {k: outs[("sssd", k)] == outs[("plain", k)] for k in engines}
                 shared = sum(a == b for a, b in zip(outs[("plain", "torch")], outs[("plain", "planned")]))
                 rate = {k: v["tokens_per_s"] for k, v in res.items()}

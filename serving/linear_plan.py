@@ -19,6 +19,16 @@ slows both alike), and cached per machine like the forward profile. The
 transposed form is chosen only where it wins by WIN; elsewhere, and above
 the grid, the layer is torch's own.
 
+Timed alone, a small projection's matrix-vector product looks fast: called
+back to back, MKL's threads stay awake. Inside a forward pass, between
+attention and the other operations, they do not, and the per-shape choice
+can lose to a uniform one: on the AMD EPYC, SmolLM2's 1-token forward took
+50 ms with the per-shape choices, 31 ms with every layer transposed and
+56 ms with torch's. So the plan is then refined where it is used
+(`refine`): at each grid row count, whole forward passes of that many rows
+are timed with the per-shape choices, every layer transposed and every
+layer torch's (interleaved rounds, medians), and the fastest is kept.
+
 Both forms compute the same products and sums; they may round differently
 (different blocking of the same sums), as F.linear's own paths for
 different row counts already do. A given row count always takes the same
@@ -37,6 +47,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +59,9 @@ ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 WIN = 1.15
 #: Seconds each timing of one form at one row count should at least last.
 MIN_TIMING = 0.002
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+#: Whole-forward modes at a grid row count (refine): per-shape choices, all transposed, all torch's.
+MODES = ("shape", "T", "F")
 ENV = "SSSD_LINEAR_PLAN"
 
 
@@ -59,16 +72,25 @@ class LinearPlan:
     ratios: dict[tuple[int, int], list[float]]
     grid: tuple[int, ...] = ROW_GRID
     meta: dict = field(default_factory=dict)
+    #: Per grid row count, the whole-forward mode `refine` chose ("T": every layer transposed, "F":
+    #: every layer torch's); a row count without one follows the per-shape ratios.
+    modes: dict[int, str] = field(default_factory=dict)
+
+    def wins(self, shape: tuple[int, int]) -> list[bool]:
+        """Whether each grid row count takes the transposed form for this shape (unmeasured: never)."""
+        ratios = self.ratios.get(tuple(shape))
+        if ratios is None:
+            return [False] * len(self.grid)
+        return [self.modes.get(m) == "T" or (self.modes.get(m) != "F" and r >= WIN) for m, r in zip(self.grid, ratios)]
 
     def table(self, shape: tuple[int, int]) -> tuple[bool, ...]:
         """Whether m rows take the transposed form, indexed by m (0..grid[-1]). A row count between two
         measured ones takes it only if both did (the BLAS's speed is not smooth in the row count:
         16 rows may suit a kernel that 17 do not); unmeasured shapes keep F.linear."""
-        ratios = self.ratios.get(tuple(shape))
         out = [False] * (self.grid[-1] + 1)
-        if ratios is None:
+        if tuple(shape) not in self.ratios:
             return tuple(out)
-        wins = [r >= WIN for r in ratios]
+        wins = self.wins(shape)
         for i, m in enumerate(self.grid):
             out[m] = wins[i]
             if i + 1 < len(self.grid):  # between two measured counts: only where both chose it
@@ -78,12 +100,12 @@ class LinearPlan:
 
     def chosen(self) -> int:
         """How many (shape, grid row count) points take the transposed form."""
-        return sum(r >= WIN for rs in self.ratios.values() for r in rs)
+        return sum(sum(self.wins(s)) for s in self.ratios)
 
     def to_dict(self) -> dict:
         return {"version": PLAN_VERSION, "grid": list(self.grid),
                 "ratios": [[list(s), [round(r, 4) for r in rs]] for s, rs in sorted(self.ratios.items())],
-                "meta": self.meta}
+                "modes": {str(m): mode for m, mode in sorted(self.modes.items())}, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> LinearPlan:
@@ -92,7 +114,10 @@ class LinearPlan:
         ratios = {(int(s[0]), int(s[1])): [float(r) for r in rs] for s, rs in d["ratios"]}
         if any(len(rs) != len(ROW_GRID) for rs in ratios.values()):
             raise ValueError("a linear plan entry of the wrong length")
-        return cls(ratios, ROW_GRID, dict(d.get("meta", {})))
+        modes = {int(m): str(mode) for m, mode in d.get("modes", {}).items()}
+        if any(m not in ROW_GRID or mode not in MODES[1:] for m, mode in modes.items()):
+            raise ValueError("a linear plan mode outside the grid or unknown")
+        return cls(ratios, ROW_GRID, dict(d.get("meta", {})), modes)
 
 
 class PlannedLinear(torch.nn.Linear):
@@ -184,14 +209,55 @@ def measure(model: torch.nn.Module, rounds: int = 3, log=None) -> LinearPlan:
     return LinearPlan(ratios)
 
 
+def refine(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: int = 5, log=None) -> LinearPlan:
+    """Chooses, at each grid row count m, the fastest of the MODES for whole forward passes:
+    `time_rows(m)` runs one pass that feeds every linear layer m rows (with the layers as
+    installed) and returns its seconds, or None where m rows do not fit. The modes are timed in
+    interleaved rounds (a busy neighbour slows all alike) and compared by their medians. Leaves
+    `plan`'s choices installed in `model`; returns `plan`, its `modes` set."""
+    shapes = list(plan.ratios)
+    for m in plan.grid:
+        candidates: dict[tuple, str] = {}  # the same decisions under two names are timed once
+        for mode in MODES:
+            plan.modes.pop(m, None)
+            if mode != "shape":
+                plan.modes[m] = mode
+            candidates.setdefault(tuple(plan.wins(s)[plan.grid.index(m)] for s in shapes), mode)
+        times: dict[str, list[float]] = {mode: [] for mode in candidates.values()}
+        for r in range(rounds + 1):  # round 0 warms each mode up
+            for mode in times:
+                plan.modes.pop(m, None)
+                if mode != "shape":
+                    plan.modes[m] = mode
+                install(model, plan)
+                t = time_rows(m)
+                if t is None:
+                    break
+                if r:
+                    times[mode].append(t)
+        plan.modes.pop(m, None)
+        if not all(times.values()):
+            continue
+        best = min(times, key=lambda mode: float(np.median(times[mode])))
+        if best != "shape":
+            plan.modes[m] = best
+        if log and len(times) > 1:
+            log(f"linear plan at {m} rows, whole forward (ms): " +
+                ", ".join(f"{mode} {1e3 * float(np.median(ts)):.1f}" for mode, ts in times.items()) + f" -> {best}")
+    install(model, plan)
+    return plan
+
+
 def enabled(device: torch.device) -> bool:
     """Whether layers are planned: on CPUs, unless SSSD_LINEAR_PLAN is off/0/false/no."""
     return device.type == "cpu" and os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: bool = False) -> LinearPlan:
+def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: bool = False,
+                    time_rows=None) -> LinearPlan:
     """The cached plan for this model and machine (`identity`: what its timings depend on), measured
-    on first use and again when the cached one is unreadable or was measured beside a busy process."""
+    on first use and again when the cached one is unreadable or was measured beside a busy process.
+    With `time_rows` (see refine), a new plan is refined in whole forward passes."""
     from sssd.serving.profile import Conditions, _noisy_share, cpu_model
 
     shapes = sorted({tuple(m.weight.shape) for m in linears(model)})
@@ -211,6 +277,8 @@ def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: boo
             log(f"re-measuring the cached linear plan {path.name}: {problem}")
     with Conditions() as cond:
         plan = measure(model, log=log)
+        if time_rows is not None:
+            refine(model, plan, time_rows, log=log)
     plan.meta = {"identity": ident, "conditions": cond.record}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -223,5 +291,5 @@ def plan_key(plan: LinearPlan | None) -> str | None:
     """A short hash of a plan's choices (what a forward profile measured with it depends on)."""
     if plan is None:
         return None
-    choices = sorted((s, tuple(r >= WIN for r in rs)) for s, rs in plan.ratios.items())
+    choices = sorted((s, tuple(plan.wins(s))) for s in plan.ratios)
     return hashlib.sha256(repr(choices).encode()).hexdigest()[:12]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,9 +86,6 @@ class TorchBackend(VerifierBackend):
             raise ValueError(f"{path}: cannot load it as a causal language model ({str(e).splitlines()[0]})") from e
         self.model.eval()
         self.linear_plan = None
-        if plan_linears and linear_plan.enabled(self.device):
-            self.linear_plan = linear_plan.load_or_measure(self.model, self._weights_identity(), log=log)
-            linear_plan.install(self.model, self.linear_plan)
         self.config = self.model.config
         text = getattr(self.config, "text_config", None) or self.config
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -116,6 +114,10 @@ class TorchBackend(VerifierBackend):
         self.pool = KVPool(PoolShape(layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, slots=slots,
                                      capacity=capacity), self.dtype, self.device)
         self._threads = threads
+        if plan_linears and linear_plan.enabled(self.device):
+            self.linear_plan = linear_plan.load_or_measure(self.model, self._weights_identity(), log=log,
+                                                           time_rows=self._time_rows)
+            linear_plan.install(self.model, self.linear_plan)
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,6 +219,21 @@ class TorchBackend(VerifierBackend):
         self.pool.swap(a, b, length)
 
     # -- cost --------------------------------------------------------------------------------
+    def _time_rows(self, rows: int, context: int = 256) -> float | None:
+        """Seconds of one verification pass feeding every linear layer `rows` rows (a chain of
+        that many tokens in slot 0 after `context` cached positions, argmax included); None if it
+        does not fit the pool."""
+        from sssd.serving.profile import _chains
+        from sssd.serving.tree_batch import pack
+
+        context = min(context, self.capacity - rows - 1)
+        if context < 1:
+            return None
+        batch = pack(np.zeros(1, dtype=np.int64), np.full(1, context), _chains(1, rows - 1))
+        t0 = time.perf_counter()
+        self.collect(self.launch(slice(0, 1), batch, np.ones(1, dtype=bool)))
+        return time.perf_counter() - t0
+
     def _weights_identity(self) -> dict:
         """What the speed of one of this model's matrix products depends on."""
         path = self._path

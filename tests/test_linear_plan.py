@@ -71,6 +71,48 @@ def test_between_measured_row_counts_both_neighbours_must_agree():
     assert all(LinearPlan({(2, 2): just}).table((2, 2))[1:]), "a ratio of exactly WIN chooses the transposed form"
 
 
+def test_modes_override_the_per_shape_choices_at_their_row_counts():
+    plan = LinearPlan({(8, 8): [2.0] * len(ROW_GRID), (4, 4): [1.0] * len(ROW_GRID)}, modes={1: "F", 2: "T"})
+    assert not plan.table((8, 8))[1] and plan.table((8, 8))[3], "F at 1 row only"
+    assert plan.table((4, 4))[2] and not plan.table((4, 4))[3], "T at 2 rows only"
+    assert not any(plan.table((9, 9))), "an unmeasured shape keeps torch's layer whatever the mode"
+    again = LinearPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.modes == plan.modes and again.table((8, 8)) == plan.table((8, 8))
+    assert linear_plan.plan_key(again) != linear_plan.plan_key(LinearPlan(plan.ratios))
+    with pytest.raises(ValueError, match="mode"):
+        LinearPlan.from_dict(dict(plan.to_dict(), modes={"7": "T"}))
+
+
+@pytest.mark.parametrize("faster", ["T", "F", "shape"])
+def test_refine_keeps_the_mode_whose_whole_forward_is_fastest(llama, faster):
+    """The model's layers as installed decide what a pass costs here (a cost function over the real
+    installed tables, so refine's search and install are what is tested)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    shapes = sorted({tuple(m.weight.shape) for m in linear_plan.linears(model)})
+    # per-shape choices: the first shape transposed, the others not (distinct from all-T and all-F)
+    plan = LinearPlan({s: [10.0 if i == 0 else 1.0] * len(ROW_GRID) for i, s in enumerate(shapes)})
+    shape_choice = [i == 0 for i in range(len(shapes))]
+    want = {"T": [True] * len(shapes), "F": [False] * len(shapes), "shape": shape_choice}[faster]
+    seen = []
+
+    def time_rows(m):
+        mods = {tuple(mod.weight.shape): mod for mod in linear_plan.linears(model)}
+        got = [mods[s]._rows_table[m] for s in shapes]
+        seen.append(m)
+        return None if m == 32 else (1.0 if got == want else 2.0)  # 32 rows "do not fit"
+
+    linear_plan.refine(model, plan, time_rows, rounds=2)
+    assert set(seen) == set(ROW_GRID)
+    for m in ROW_GRID:
+        got = [plan.wins(s)[ROW_GRID.index(m)] for s in shapes]
+        assert got == (shape_choice if m == 32 else want), m
+        assert plan.modes.get(m) == (None if faster == "shape" or m == 32 else faster)
+    tables = {tuple(mod.weight.shape): mod._rows_table for mod in linear_plan.linears(model)}
+    assert all(tables[s] == plan.table(s) for s in shapes), "the refined plan is left installed"
+
+
 def test_install_and_uninstall_keep_parameters_and_ties(llama):
     from transformers import AutoModelForCausalLM
 
@@ -96,9 +138,12 @@ def test_the_plan_is_measured_once_cached_and_remeasured_when_corrupt(llama, cac
     shapes = {tuple(m.weight.shape) for m in linear_plan.linears(be.model)}
     assert set(plan.ratios) == shapes and all(len(r) == len(ROW_GRID) and min(r) > 0 for r in plan.ratios.values())
     assert plan.meta["conditions"]["cpu_model"]
-    for m in linear_plan.linears(be.model):  # each layer follows its shape's measurement
+    assert set(plan.modes) <= set(ROW_GRID) and set(plan.modes.values()) <= {"T", "F"}
+    for m in linear_plan.linears(be.model):  # each layer follows its shape's measurement, refined in place
         ratios = plan.ratios[tuple(m.weight.shape)]
-        assert [m._rows_table[rows] for rows in ROW_GRID] == [r >= WIN for r in ratios]
+        want = [plan.modes.get(rows, "T" if r >= WIN else "F") == "T" for rows, r in zip(ROW_GRID, ratios)]
+        assert [m._rows_table[rows] for rows in ROW_GRID] == want
+    assert any("whole forward" in line for line in logs), "the plan was refined in forward passes"
     files = list((cache / "profiles").glob("linear-*.json"))
     assert len(files) == 1 and any("linear plan" in line for line in logs)
 
