@@ -5,7 +5,8 @@ For every evaluation set, each peer's few settings are swept on the set's
 development split at the sweep budgets (16 and 32) and the setting with the
 best mean MAT is kept; then, on the evaluation split, every system replays
 greedy decoding at each budget (4, 8, 16, 32, 64) and reports MAT (mean
-accepted tokens per step, bonus token included) and draft µs per call (per
+accepted tokens per step, bonus token included), draft µs per call and update µs
+per call (appending the accepted tokens to the drafter's state; both per
 request and step; SSSD drafts the lockstep batch in one call, the peers loop).
 SSSD runs with its default config, a calibrated config if given
 (``--sssd-config``, a parameter file from ``sssd calibrate``; it is fitted on
@@ -266,7 +267,8 @@ def run_replay(system: System, settings: dict, examples: list[Example], budget: 
 
 
 def result_record(res, **extra) -> dict:
-    return {**extra, "mat": round(res.mat, 4), "draft_us": round(res.draft_us_per_call, 2), "steps": res.steps,
+    return {**extra, "mat": round(res.mat, 4), "draft_us": round(res.draft_us_per_call, 2),
+            "update_us": round(res.update_us_per_call, 2), "steps": res.steps,
             "tokens": res.tokens, "nodes_per_step": round(float(res.drafted_per_depth.sum()) / max(res.steps, 1), 2)}
 
 
@@ -274,7 +276,7 @@ def result_record(res, **extra) -> dict:
 def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) -> None:
     print(f"\n== {set_name}: {info}")
     head = f"{'system':30s} {'setting (chosen on dev)':44s} " + " ".join(f"{'MAT@' + str(b):>7s}" for b in budgets)
-    head += " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'nodes@32':>8s}"
+    head += " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'upd@32':>7s} {'nodes@32':>8s}"
     print(head)
     by_system: dict[str, dict[int, dict]] = {}
     for r in rows:
@@ -284,7 +286,7 @@ def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) 
         line = f"{name:30s} {first['settings'][:44]:44s} " + " ".join(
             f"{cells[b]['mat']:7.3f}" if b in cells else f"{'':7s}" for b in budgets)
         line += " " + " ".join(f"{cells[b]['draft_us']:7.1f}" if b in cells else f"{'':7s}" for b in budgets if b in (16, 32))
-        line += f" {cells[32]['nodes_per_step']:8.1f}" if 32 in cells else ""
+        line += f" {cells[32].get('update_us', float('nan')):7.1f} {cells[32]['nodes_per_step']:8.1f}" if 32 in cells else ""
         print(line)
 
 
@@ -306,7 +308,19 @@ def goals(set_name: str, rows: list[dict], reference: str) -> list[str]:
                    f"({best['system']} {best['mat']:.3f}): {'met' if mat_ok else 'MISSED'} (goal 1.3x); "
                    f"draft {ref['draft_us']:.1f} us vs cheapest peer {dearest['system']} {dearest['draft_us']:.1f} us: "
                    f"{'met' if cost_ok else 'MISSED'}")
+        sd = next((r for r in peers if r["system"] == suffix_decoding_name()), None)
+        if sd is not None and "update_us" in ref and "update_us" in sd:
+            ours, theirs = ref["draft_us"] + ref["update_us"], sd["draft_us"] + sd["update_us"]
+            out.append(f"{set_name} budget {b}: per request-step (draft + update) {reference} {ours:.1f} us vs "
+                       f"SuffixDecoding ({sd['settings']}) {theirs:.1f} us = {theirs / max(ours, 1e-9):.1f}x cheaper: "
+                       f"{'met' if theirs >= 5 * ours else 'MISSED'} (goal 5x, issue 15)")
     return out
+
+
+def suffix_decoding_name() -> str:
+    from peers import suffix_decoding
+
+    return suffix_decoding.NAME
 
 
 def plot(records: list[dict], path: Path) -> Path | None:

@@ -42,6 +42,7 @@ class ReplayResult:
     steps: int = 0
     tokens: int = 0
     draft_seconds: float = 0.0
+    update_seconds: float = 0.0
     draft_calls: int = 0
     drafted_per_depth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     accepted_per_depth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -64,6 +65,12 @@ class ReplayResult:
         """Drafting time per request and step (µs), amortised over the batched calls."""
         return 1e6 * self.draft_seconds / max(self.steps, 1)
 
+    @property
+    def update_us_per_call(self) -> float:
+        """Time per request and step (µs) to append the accepted tokens to the drafter's state
+        (request tries, or a peer's per-request and global caches)."""
+        return 1e6 * self.update_seconds / max(self.steps, 1)
+
     def source_shares(self) -> dict[str, float]:
         total = sum(self.accepted_by_source.values())
         return {k: v / total for k, v in self.accepted_by_source.items()} if total else {}
@@ -71,6 +78,7 @@ class ReplayResult:
     def summary(self) -> dict:
         return {"budget": self.budget, "mat": round(self.mat, 4), "steps": self.steps, "tokens": self.tokens,
                 "draft_us_per_call": round(self.draft_us_per_call, 2),
+                "update_us_per_call": round(self.update_us_per_call, 2),
                 "acceptance_per_depth": [round(float(x), 4) for x in self.acceptance_per_depth[1:9]],
                 "source_shares": {k: round(v, 4) for k, v in self.source_shares().items()}}
 
@@ -173,7 +181,10 @@ def replay(drafter: sssd.Drafter, examples: Sequence[Example], budget: int, *, b
         res.steps += len(ids)
         res.tokens += int(advance.sum())
         steps_of[ids] += 1
-        drafter.extend_batch(ids, [o[p : p + a] for o, p, a in zip(outputs, pos, advance)])
+        appended = [o[p : p + a] for o, p, a in zip(outputs, pos, advance)]
+        t0 = time.perf_counter()
+        drafter.extend_batch(ids, appended)
+        res.update_seconds += time.perf_counter() - t0
         for i, p, a, r in zip(ids.tolist(), pos.tolist(), advance.tolist(), remaining.tolist()):
             if a >= r:
                 drafter.close(i)
