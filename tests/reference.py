@@ -14,16 +14,12 @@ SEP = 2**32 - 1
 
 
 def suffix_key(tokens: list[int], i: int) -> tuple:
-    """Sort key of suffix i: tokens up to the first separator, which compares
-    above every token and by position among separators; the stream's end
-    compares below everything."""
+    """Sort key of suffix i: its tokens, the separator comparing above every
+    token (and equal to itself: the comparison goes on past it); the stream's
+    end compares below everything."""
     key = []
     for p in range(i, len(tokens)):
-        t = tokens[p]
-        if t == SEP:
-            key.append((2, p))
-            return tuple(key)
-        key.append((1, t))
+        key.append((1, tokens[p]))  # SEP is the largest id
     key.append((0,))
     return tuple(key)
 

@@ -426,6 +426,46 @@ def test_validation_accepts_every_valid_datastore(tmp_path, rng):
             _core.Datastore.open(str(tmp_path / f"ds{i}"), num_threads=threads)
 
 
+def _by_position_order(tokens: list[int]) -> list[int]:
+    """The suffix order of datastores written before the separator became one symbol: suffixes
+    that reach a separator together are ordered by its position."""
+    def key(i):
+        out = []
+        for p in range(i, len(tokens)):
+            if tokens[p] == SEP:
+                return tuple(out) + ((2, p),)
+            out.append((1, tokens[p]))
+        return tuple(out) + ((0,),)
+    return sorted(range(len(tokens)), key=key)
+
+
+def test_older_datastores_with_separators_by_position_still_validate(tmp_path):
+    """Documents that end alike: "7 8 SEP" twice. The sort now compares past the separator
+    (suffix_order 1 in the suffix array's header); a datastore written before holds them by
+    position (0). Each validates under its own order and fails under the other's; an unknown
+    order is refused."""
+    tokens = [5, 7, 8, SEP, 9, 7, 8, SEP, 3, 7, 8, SEP, 1]
+    d = tmp_path / "ds"
+    sssd.Datastore.build(np.array(tokens, dtype=np.uint32), d)
+    sa = np.fromfile(d / "suffix_array.bin", dtype=np.uint32, offset=64).tolist()
+    assert sa == suffix_array(tokens) and (d / "suffix_array.bin").read_bytes()[48] == 1
+    old = _by_position_order(tokens)
+    assert old != sa, "the two orders differ on this stream"
+    tree = _core.Datastore.open(str(d)).query(np.array([7, 8], dtype=np.uint32), _core.DatastoreQuery())
+
+    body = np.array(old, dtype=np.uint32).tobytes()
+    _patch(d / "suffix_array.bin", 64, body)
+    with pytest.raises(ValueError, match="out of order"):
+        _core.Datastore.open(str(d))
+    _patch(d / "suffix_array.bin", 48, b"\x00")
+    ds = _core.Datastore.open(str(d))  # an older datastore: validates, and drafts the same tree
+    again = ds.query(np.array([7, 8], dtype=np.uint32), _core.DatastoreQuery())
+    assert tree_to_paths(again) == tree_to_paths(tree)
+    _patch(d / "suffix_array.bin", 48, b"\x07")
+    with pytest.raises(sssd.SSSDError, match="unknown suffix order 7"):
+        _core.Datastore.open(str(d))
+
+
 def test_repeated_entries_inside_long_repeats_are_found(tmp_path):
     # A 200-token document three times: the suffixes at 400, 200 and 0 have
     # adjacent ranks and share 200 tokens, more than validation compares, so

@@ -179,7 +179,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     if (text.size() < size_t(UINT32_MAX) - 1) return run(uint32_t{});
     return run(uint64_t{});
   }, "tokens"_a, "num_threads"_a = 0, "progress"_a = py::none(),
-     "Suffix array of a uint32 token stream (separators sort as distinct symbols, by position).");
+     "Suffix array of a uint32 token stream (the separator sorts above every token; suffixes compare on past it).");
 
   m.def("stream_stats", [](const py::array& tokens, int num_threads) {
     const auto text = borrow<sssd::token_t>(tokens, "tokens");

@@ -75,6 +75,9 @@ Datastore::Datastore(Bytes tokens, Bytes suffixes, Bytes index, const std::strin
   SSSD_CHECK(sh.count == header_.count && sh.fingerprint == header_.fingerprint, sa_name,
              " belongs to a different token stream than ", tok_name,
              " (length or fingerprint differ); rebuild the datastore");
+  SSSD_CHECK(sh.suffix_order == kSuffixOrderByPosition || sh.suffix_order == kSuffixOrderSeparatorSymbol, sa_name,
+             ": unknown suffix order ", int(sh.suffix_order), " (written by a newer sssd?); rebuild the datastore");
+  suffix_order_ = sh.suffix_order;
   n_ = header_.count;
   index_bytes_ = int(sh.elem_bytes);
   SSSD_CHECK(index_bytes_ == 8 || fits_32bit_index(n_), sa_name,
@@ -124,11 +127,13 @@ std::shared_ptr<const Datastore> Datastore::from_tokens(std::span<const token_t>
   if (fits_32bit_index(tokens.size())) {
     std::vector<uint32_t> sa(tokens.size());
     build_suffix_array<uint32_t>(tokens, sa, num_threads);
-    suf = Bytes::own(with_header(make_header(kSuffixArrayMagic, 4, st), std::span<const uint32_t>(sa)));
+    suf = Bytes::own(with_header(make_header(kSuffixArrayMagic, 4, st, kSuffixOrderSeparatorSymbol),
+                                 std::span<const uint32_t>(sa)));
   } else {
     std::vector<uint64_t> sa(tokens.size());
     build_suffix_array<uint64_t>(tokens, sa, num_threads);
-    suf = Bytes::own(with_header(make_header(kSuffixArrayMagic, 8, st), std::span<const uint64_t>(sa)));
+    suf = Bytes::own(with_header(make_header(kSuffixArrayMagic, 8, st, kSuffixOrderSeparatorSymbol),
+                                 std::span<const uint64_t>(sa)));
   }
   const std::vector<uint64_t> first = first_token_index(tokens, st.vocab_size);
   StreamStats ist = st;
@@ -146,13 +151,13 @@ void Datastore::write(std::span<const token_t> tokens, const std::string& dir, i
   if (fits_32bit_index(tokens.size())) {
     std::vector<uint32_t> sa(tokens.size());
     build_suffix_array<uint32_t>(tokens, sa, num_threads, progress);
-    write_file(dir + "/" + kSuffixArrayFile, make_header(kSuffixArrayMagic, 4, st), sa.data(),
-               sa.size() * 4);
+    write_file(dir + "/" + kSuffixArrayFile, make_header(kSuffixArrayMagic, 4, st, kSuffixOrderSeparatorSymbol),
+               sa.data(), sa.size() * 4);
   } else {
     std::vector<uint64_t> sa(tokens.size());
     build_suffix_array<uint64_t>(tokens, sa, num_threads, progress);
-    write_file(dir + "/" + kSuffixArrayFile, make_header(kSuffixArrayMagic, 8, st), sa.data(),
-               sa.size() * 8);
+    write_file(dir + "/" + kSuffixArrayFile, make_header(kSuffixArrayMagic, 8, st, kSuffixOrderSeparatorSymbol),
+               sa.data(), sa.size() * 8);
   }
   const std::vector<uint64_t> first = first_token_index(tokens, st.vocab_size);
   StreamStats ist = st;

@@ -126,15 +126,18 @@ void Datastore::validate_suffix_array(int threads) const {
     return size_t(v);
   };
   // Suffix order (as the sort defines it: the stream's end lowest, the
-  // separator highest and ordered by position) decided within
-  // kValidateOrderTokens tokens: <0, >0, or 0 when undecided.
+  // separator highest; two suffixes that reach a separator together compare
+  // on past it, or, in datastores written before (kSuffixOrderByPosition),
+  // by position) decided within kValidateOrderTokens tokens: <0, >0, or 0
+  // when undecided.
+  const bool by_position = suffix_order_ == kSuffixOrderByPosition;
   auto order = [&](size_t a, size_t b) -> int {
     for (size_t k = 0; k < kValidateOrderTokens; ++k) {
       const bool end_a = a + k >= n_, end_b = b + k >= n_;
       if (end_a || end_b) return end_a ? -1 : 1;
       const token_t x = text_[a + k], y = text_[b + k];
       if (x != y) return x < y ? -1 : 1;
-      if (x == kSeparator) return a < b ? -1 : 1;
+      if (x == kSeparator && by_position) return a < b ? -1 : 1;
     }
     return 0;
   };

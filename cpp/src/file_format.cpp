@@ -72,8 +72,10 @@ std::vector<uint64_t> first_token_index(std::span<const token_t> tokens, uint64_
   return index;
 }
 
-FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats) {
+FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats,
+                       uint8_t suffix_order) {
   FileHeader h{};
+  h.suffix_order = suffix_order;
   std::memcpy(h.magic, magic, 8);
   h.version = kFormatVersion;
   h.elem_bytes = elem_bytes;

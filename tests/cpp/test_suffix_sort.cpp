@@ -1,8 +1,8 @@
 // Suffix sort against a brute-force sort of the suffixes.
 //
-// The order (suffix_sort.h): token ids ascending; the separator above every
-// token and, between two separators, by position; the end of the stream
-// below everything. Streams cover small and large alphabets (the dense and
+// The order (suffix_sort.h): token ids ascending, the separator above every
+// token (one symbol: suffixes that share a separator go on comparing past
+// it); the end of the stream below everything. Streams cover small and large alphabets (the dense and
 // the sparse symbol paths), long repeats (many doubling rounds), separators,
 // both index widths and 1-2 threads.
 #include <gtest/gtest.h>
@@ -27,7 +27,6 @@ bool suffix_less(const std::vector<token_t>& t, size_t a, size_t b) {
     if (end_a || end_b) return end_a;  // both cannot end at once: a != b
     const token_t x = t[a + k], y = t[b + k];
     if (x != y) return x < y;  // kSeparator is the largest id
-    if (x == kSeparator) return a < b;
   }
 }
 

@@ -227,6 +227,7 @@ class Datastore {
   const uint64_t* first_ = nullptr;  // first-token index (vocab_size + 1 entries) or null
   size_t n_ = 0;
   int index_bytes_ = 4;
+  uint8_t suffix_order_ = kSuffixOrderSeparatorSymbol;  // how its separators sort (file_format.h)
 };
 
 /// Validates query parameters; throws std::invalid_argument naming the field.

@@ -13,7 +13,8 @@
 //                     are too sparse for a dense table.
 // Every header carries the stream's length, vocabulary size, document count
 // and a 64-bit fingerprint of the token stream, so files of different streams
-// cannot be paired. Loaders check magic, version, element width and file size
+// cannot be paired; suffix_array.bin's also says how its separators sort
+// (suffix_order: one symbol, or by position in datastores written before). Loaders check magic, version, element width and file size
 // before mapping anything.
 #pragma once
 
@@ -43,8 +44,15 @@ struct FileHeader {
   uint64_t vocab_size;   ///< 1 + largest token id in the stream (0 if none)
   uint64_t num_docs;     ///< documents: separators + 1 if the stream doesn't end with one (0 if empty)
   uint64_t fingerprint;  ///< stream_fingerprint() of the token stream
-  uint8_t reserved[16];  ///< zero
+  uint8_t suffix_order;  ///< suffix_array.bin: how separators sort (kSuffixOrder*); 0 elsewhere
+  uint8_t reserved[15];  ///< zero
 };
+
+/// Suffix arrays written before the separator became one symbol: suffixes
+/// that reach a separator together are ordered by position.
+inline constexpr uint8_t kSuffixOrderByPosition = 0;
+/// The separator is one symbol above every token; suffixes compare on past it (suffix_sort.h).
+inline constexpr uint8_t kSuffixOrderSeparatorSymbol = 1;
 static_assert(sizeof(FileHeader) == 64);
 
 /// Summary of a token stream, as stored in both headers.
@@ -71,6 +79,7 @@ FileHeader read_header(const uint8_t* bytes, size_t size, const char (&magic)[8]
 std::vector<uint64_t> first_token_index(std::span<const token_t> tokens, uint64_t vocab_size);
 
 /// A filled-in header.
-FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats);
+FileHeader make_header(const char (&magic)[8], uint32_t elem_bytes, const StreamStats& stats,
+                       uint8_t suffix_order = 0);
 
 }  // namespace sssd

@@ -2,15 +2,16 @@
 // with libsais (third_party/libsais): cache-aware, prefetching and parallel
 // with OpenMP, in linear time whatever the repeats.
 //
-// The stream is rewritten as an integer alphabet first: token ids as dense
-// symbols in id order, and every separator (kSeparator) as its own symbol
-// above every token, in position order, so that a suffix's order is decided
-// by its first separator and the end of the stream sorts below everything.
-// The result is the exact suffix array of that order.
+// The stream is rewritten as a dense alphabet first: token ids as symbols in
+// id order, and the separator (kSeparator) as one symbol above every token;
+// suffixes that share a separator go on comparing past it, and the end of the
+// stream sorts below everything. The result is the exact suffix array of that
+// order. (Queries never cross a separator, so where two suffixes meet one
+// their order changes no continuation.) With at most 2^16 symbols (a
+// vocabulary below 65,535 ids) the 16-bit sort runs, else the integer one.
 //
-// Measured on the 27.5M-token ShareGPT stream (benchmarks/bench_build.py): about
-// 20M tokens/s on 2 cores, against 4.5-6.3M/s for the radix + prefix-doubling
-// sort it replaced.
+// Measured on the 27.5M-token ShareGPT stream: benchmarks/RESULTS.md, "The
+// suffix sort".
 #pragma once
 
 #include <cstddef>
@@ -30,8 +31,9 @@ using SortProgress = std::function<void(size_t done, size_t total)>;
 ///
 /// Index is uint32_t (text.size() <= 2^32 - 2) or uint64_t. Uses
 /// `num_threads` OpenMP threads (0 = OpenMP's default). Peak extra memory
-/// beyond `text` and `sa`: 4 bytes per token for a 32-bit index under 2^31
-/// tokens, else 8 (16 for a 32-bit index past 2^31 tokens). Throws
+/// beyond `text` and `sa`: for a 32-bit index under 2^31 tokens 2 bytes per
+/// token (at most 2^16 symbols) or 4; else 8 (16 for a 32-bit index past
+/// 2^31 tokens). Throws
 /// std::invalid_argument on a size mismatch or a stream too long for Index,
 /// std::bad_alloc when memory runs out. `progress` is called at the start
 /// and at the end (the sort has no rounds to report).
