@@ -195,6 +195,37 @@ class _Stage:
         self.inbox: torch.Tensor | None = None  # the previous stage's output of the last pipelined step
         self._sending: tuple[Any, torch.Tensor] | None = None
         self._step_kwarg = attention.STEP_KWARG
+        self.linear_plan = None
+        from sssd.serving import linear_plan
+
+        if linear_plan.enabled(torch.device("cpu")):  # this stage's layers, timed in its own passes
+            mods = torch.nn.ModuleList([m for m in (self.embed, *self.layers, self.norm, self.head) if m is not None])
+            ident = {"model": str(path), "mtime": (Path(path) / "config.json").stat().st_mtime, "dtype": dtype,
+                     "device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "stage": [rank, stages, *layers]}
+            self.linear_plan = linear_plan.load_or_measure(mods, ident, time_rows=self._time_rows, busy_ok=True)
+            linear_plan.install(mods, self.linear_plan)
+
+    def _time_rows(self, rows: int, context: int = 256) -> float | None:
+        """Seconds of this stage's pass over a chain of `rows` queries in slot 0 after `context`
+        cached positions (the last stage's argmax included; no hand-over); None if it does not fit."""
+        context = min(context, self.pool.shape.capacity - rows - 1)
+        if context < 1:
+            return None
+        pos = np.arange(context, context + rows, dtype=np.int64)[None]
+        length = context + rows
+        mask = (np.arange(length)[None, None, :] <= pos[:, :, None])
+        w = Work(slots=np.zeros(1, dtype=np.int64), tokens=np.zeros((1, rows), dtype=np.int64) if self.rank == 0 else None,
+                 take=np.arange(rows, dtype=np.int64)[None] if self.rank > 0 else None, positions=pos, writes=pos,
+                 gather=np.arange(length, dtype=np.int64)[None], mask=mask, valid=np.ones((1, rows), dtype=bool),
+                 result=(np.ones(1, dtype=bool), 0) if self.rank == self.stages - 1 else None)
+        saved, self.inbox = self.inbox, torch.zeros((rows, self.hidden), dtype=self.dtype)
+        try:
+            t0 = time.perf_counter()
+            self.run(w)
+            return time.perf_counter() - t0
+        finally:
+            self.inbox = saved
 
     def _recv(self, n: int) -> torch.Tensor:
         import torch.distributed as dist
