@@ -4,10 +4,12 @@ grow beside the target's forward pass.
 With `draft_mode="async"` a step runs so:
 
 1. prepare: every request whose last step's outcome lies inside the tree grown during that
-   step takes the subtree below its accepted path and bonus token (re-rooted), its best
-   nodes up to the step's budget (best-first by merge priority: a set closed under
-   parents); the others (misses, new requests) are topped up by drafting serially, the
-   same call a serial step makes. The merged trees are packed.
+   step takes the subtree below its accepted path and bonus token (re-rooted), joins it
+   with retrieval's fresh tree (one C++ call of tens of microseconds: retrieval's trees
+   re-rooted from an older root are shallower than fresh ones) and keeps its best nodes up
+   to the step's budget (best-first by merge priority: a set closed under parents); the
+   others (misses, new requests) are topped up by drafting serially, the same call a
+   serial step makes. The merged trees are packed.
 2. the drafting worker (one thread) starts growing, from this step's root, a tree of
    GROW times the budget (sources that can grow deeper, the model drafter, keep adding
    levels until the verifier is done), while
@@ -110,6 +112,40 @@ def _subtree(drafts: DraftBatch, start: int, kept: list[int], index: dict[int, i
         if v is not None:
             out[name] = v[start + idx]
     return out
+
+
+def union(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Two trees over one root as one: a token path in both appears once, with the fields of
+    the higher-scored of its two nodes; a's nodes first, then b's new ones (parents still
+    precede children). Fields that only one tree has are dropped."""
+    keys = [k for k in ("tokens", "parents", "depths", "scores", "sources", "draft_probs", "probs", "match_lens")
+            if k in a and k in b]
+    out = {k: a[k].tolist() for k in keys}
+    node = {(p, t): i for i, (p, t) in enumerate(zip(out["parents"], out["tokens"]))}
+    mine: list[int] = []  # b's node j -> its index in out
+    b_vals = {k: b[k].tolist() for k in keys}
+    for j, (pb, t) in enumerate(zip(b_vals["parents"], b_vals["tokens"])):
+        p = -1 if pb < 0 else mine[pb]
+        i = node.get((p, t))
+        if i is None:
+            i = node[(p, t)] = len(out["tokens"])
+            for k in keys:
+                out[k].append(b_vals[k][j])
+            out["parents"][i] = p
+            out["depths"][i] = 1 if p < 0 else out["depths"][p] + 1
+        elif b_vals["scores"][j] > out["scores"][i]:
+            for k in keys:
+                if k not in ("tokens", "parents", "depths"):
+                    out[k][i] = b_vals[k][j]
+        mine.append(i)
+    return {k: np.asarray(out[k], dtype=a[k].dtype) for k in keys}
+
+
+def best(tree: dict[str, np.ndarray], budget: int) -> dict[str, np.ndarray]:
+    """A tree's best `budget` nodes (best-first by score, closed under parents), itself if it fits."""
+    if len(tree["tokens"]) <= budget:
+        return tree
+    return reroot(combine([tree]), 0, [], budget)
 
 
 def combine(rows: Sequence[dict[str, np.ndarray] | None], like: DraftBatch | None = None) -> DraftBatch:
@@ -329,15 +365,13 @@ class AsyncDrafter:
             else:
                 self.misses += 1
 
-    def take(self, request_id: int, length: int, budget: int) -> dict[str, np.ndarray] | None:
-        """The prepared tree of a request whose tokens number `length`, its best `budget` nodes."""
+    def take(self, request_id: int, length: int, budget: int | None = None) -> dict[str, np.ndarray] | None:
+        """The prepared tree of a request whose tokens number `length`, its best `budget` nodes
+        (None: all of them)."""
         got = self.prepared.pop(request_id, None)
-        if got is None or got[0] != length or budget <= 0:
+        if got is None or got[0] != length or (budget is not None and budget <= 0):
             return None
-        tree = got[1]
-        if len(tree["tokens"]) <= budget:
-            return tree
-        return reroot(combine([tree]), 0, [], budget)
+        return got[1] if budget is None else best(got[1], budget)
 
 
 # -- measured mode choice ------------------------------------------------------------------

@@ -628,9 +628,11 @@ class LLMEngine:
 
     def _draft_async(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None, list | None]:
         """This step's trees under async drafting: each request's tree grown during the last step,
-        re-rooted on its outcome, where it holds one; the others drafted now (serially), unless
-        the drafting thread still holds the pipeline (stalled): then they go without."""
-        from sssd.serving.async_draft import combine, row_of
+        re-rooted on its outcome, where it holds one, joined with retrieval's fresh tree (one
+        cheap C++ call: a re-rooted tree is shallower than a fresh one) and cut to the budget;
+        the others drafted now (serially), unless the drafting thread still holds the pipeline
+        (stalled): then they go without."""
+        from sssd.serving.async_draft import best, combine, row_of, union
 
         a = self.async_drafter
         B = len(reqs)
@@ -638,8 +640,21 @@ class LLMEngine:
         need = np.zeros(B, dtype=bool)
         for b, r in enumerate(reqs):
             if budgets[b] > 0:
-                rows[b] = a.take(r.id, len(r.tokens), int(budgets[b]))
+                rows[b] = a.take(r.id, len(r.tokens))
                 need[b] = rows[b] is None
+        hits = np.flatnonzero((budgets > 0) & ~need).tolist()
+        if hits and self.drafting.retrieval and a.idle():
+            try:
+                fresh = self.drafting.draft_retrieval(
+                    [DraftRequest(reqs[b].id, reqs[b].history(), int(budgets[b])) for b in hits])
+            except Exception as e:  # noqa: BLE001 - the re-rooted trees alone are still good drafts
+                log.warning("retrieval failed to top up the re-rooted trees (%s); using them alone", e)
+                fresh = None
+            if fresh is not None:
+                for k, b in enumerate(hits):
+                    rows[b] = union(rows[b], row_of(fresh, k))
+        for b in hits:
+            rows[b] = best(rows[b], int(budgets[b]))
         proposals: list = [[] for _ in reqs]
         if need.any() and a.idle():
             drafts, use, props = self._draft(reqs, np.where(need, budgets, 0).astype(np.int32))

@@ -488,6 +488,17 @@ class DraftPipeline:
         name the source of each node through `source_names`."""
         return self.draft_with_proposals(requests)[0]
 
+    def draft_retrieval(self, requests: Sequence[DraftRequest]) -> Any | None:
+        """Retrieval's own merged trees (datastore and request trie, no other source asked), one
+        C++ call; None without retrieval. Asynchronous drafting tops up re-rooted trees with it."""
+        if not self.retrieval:
+            return None
+        from sssd.calibration_file import draft_with_entries
+
+        ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
+        budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
+        return draft_with_entries(self.drafter, self.entries, ids, budgets, None)
+
     def draft_with_proposals(self, requests: Sequence[DraftRequest]) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
         """The merged DraftBatch, and per request every external source's checked proposal
         (source tag, Candidates) as it was before the merge: sampled verification needs the

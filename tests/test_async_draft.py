@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 import sssd
-from sssd.serving.async_draft import ModeChooser, combine, reroot, row_of
+from sssd.serving.async_draft import ModeChooser, best, combine, reroot, row_of, union
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.model_drafter import ModelDrafter
 from sssd.serving.params import SamplingParams
@@ -156,6 +156,53 @@ def test_combine_and_row_of_round_trip():
         assert np.array_equal(getattr(back, name), getattr(drafts, name))
     empty = combine([None, row_of(drafts, 1), None])
     assert empty.sizes.tolist() == [0, 9, 0]
+
+
+def _token_paths(tree: dict) -> dict[tuple, tuple]:
+    """Token path from the root -> (score, source) of its node; checks parents precede children
+    and depths."""
+    paths: list[tuple] = []
+    out = {}
+    for j, p in enumerate(tree["parents"].tolist()):
+        assert p < j
+        paths.append((paths[p] if p >= 0 else ()) + (int(tree["tokens"][j]),))
+        assert tree["depths"][j] == len(paths[-1])
+        assert paths[-1] not in out, "a token path appears twice"
+        out[paths[-1]] = (float(tree["scores"][j]), int(tree["sources"][j]))
+    return out
+
+
+def _merged_tree(rng, n: int) -> dict:
+    """A random tree as the merge makes them: no two siblings with one token."""
+    tree = row_of(random_batch(rng, 1, n), 0)
+    seen, keep, index = set(), [], {}
+    for j, (p, t) in enumerate(zip(tree["parents"].tolist(), tree["tokens"].tolist())):
+        if (p < 0 or p in index) and (p, t) not in seen:
+            seen.add((p, t))
+            index[j] = len(keep)
+            keep.append(j)
+    out = {k: v[keep] for k, v in tree.items()}
+    out["parents"] = np.array([-1 if p < 0 else index[p] for p in tree["parents"][keep].tolist()], np.int32)
+    return out
+
+
+def test_union_holds_each_path_once_with_its_better_node():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        a, b = (_merged_tree(rng, int(rng.integers(1, 20))) for _ in range(2))
+        b["sources"] = np.ones_like(b["sources"])  # which tree a node came from
+        pa, pb = _token_paths(a), _token_paths(b)
+        got = _token_paths(union(a, b))
+        assert set(got) == set(pa) | set(pb)
+        for path, (score, source) in got.items():
+            want = max((v for v in (pa.get(path), pb.get(path)) if v is not None), key=lambda v: v[0])
+            assert score == want[0]
+            if path in pa and path in pb and pa[path][0] != pb[path][0]:
+                assert source == want[1]
+        budget = int(rng.integers(1, 12))
+        cut = _token_paths(best(union(a, b), budget))
+        assert len(cut) == min(budget, len(got))
+        assert all(path[:-1] in cut or len(path) == 1 for path in cut)  # closed under parents
 
 
 def test_mode_chooser_keeps_the_faster_mode_and_probes_the_other():
