@@ -365,13 +365,12 @@ class AsyncDrafter:
             else:
                 self.misses += 1
 
-    def take(self, request_id: int, length: int, budget: int | None = None) -> dict[str, np.ndarray] | None:
-        """The prepared tree of a request whose tokens number `length`, its best `budget` nodes
-        (None: all of them)."""
+    def take(self, request_id: int, length: int) -> dict[str, np.ndarray] | None:
+        """The prepared tree of a request whose tokens number `length`, whole (`best` cuts it)."""
         got = self.prepared.pop(request_id, None)
-        if got is None or got[0] != length or (budget is not None and budget <= 0):
+        if got is None or got[0] != length:
             return None
-        return got[1] if budget is None else best(got[1], budget)
+        return got[1]
 
 
 # -- measured mode choice ------------------------------------------------------------------

@@ -197,12 +197,11 @@ class _Stage:
         self._step_kwarg = attention.STEP_KWARG
         self.linear_plan = None
         from sssd.serving import linear_plan
+        from sssd.serving.torch_backend import weights_identity
 
         if linear_plan.enabled(torch.device("cpu")):  # this stage's layers, timed in its own passes
             mods = torch.nn.ModuleList([m for m in (self.embed, *self.layers, self.norm, self.head) if m is not None])
-            ident = {"model": str(path), "mtime": (Path(path) / "config.json").stat().st_mtime, "dtype": dtype,
-                     "device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "stage": [rank, stages, *layers]}
+            ident = dict(weights_identity(path, dtype, "cpu"), stage=[rank, stages, *layers])
             self.linear_plan = linear_plan.load_or_measure(mods, ident, time_rows=self._time_rows, busy_ok=True)
             linear_plan.install(mods, self.linear_plan)
 

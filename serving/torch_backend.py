@@ -42,6 +42,15 @@ def pick_device(requested: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def weights_identity(path: str | Path, dtype: torch.dtype | str, device: torch.device | str) -> dict:
+    """What the speed of one of a model's matrix products depends on (the linear plan's and the
+    forward profile's cache key)."""
+    path = Path(path)
+    return {"model": str(path), "mtime": (path / "config.json").stat().st_mtime, "dtype": str(dtype),
+            "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
 class TorchBackend(VerifierBackend):
     """Loads a causal LM and verifies trees over a pool of `slots` KV slots of `capacity` tokens.
 
@@ -235,11 +244,7 @@ class TorchBackend(VerifierBackend):
         return time.perf_counter() - t0
 
     def _weights_identity(self) -> dict:
-        """What the speed of one of this model's matrix products depends on."""
-        path = self._path
-        return {"model": str(path), "mtime": (path / "config.json").stat().st_mtime, "dtype": str(self.dtype),
-                "device": str(self.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+        return weights_identity(self._path, self.dtype, self.device)
 
     def identity(self) -> dict:
         """What a forward-time profile depends on."""
