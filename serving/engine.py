@@ -171,7 +171,9 @@ class LLMEngine:
             (the request's own tokens only); or a list of them: the first is retrieval's,
             each further one drafts as a source of its own (sssd.datastore_source), and
             every one is checked against the model's tokenizer and vocabulary.
-        drafter: a DrafterConfig, or a path to a config / `sssd calibrate` file.
+        drafter: a DrafterConfig, or a path to a config / `sssd calibrate` file; None: the
+            packaged calibration where its fingerprint matches the datastore and model
+            (sssd.paths.packaged_calibration), else the built-in defaults (DrafterConfig()).
         config: EngineConfig.
         draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
             DraftSource objects; [] decodes plainly with the same engine.
@@ -222,8 +224,13 @@ class LLMEngine:
             ds = self.drafting.datastore
             if ds is not None:
                 _check_datastore(ds, path, info.vocab_size)
-            checked = _checked(self.drafter_configs, ds, path)
-            if checked is not self.drafter_configs:  # calibrated for another setup (warned): the defaults draft
+            if drafter is None:  # the packaged calibration where it fits this datastore and model
+                checked = _packaged(ds, path) or self.drafter_configs
+                if checked is not self.drafter_configs:
+                    self.drafter_source = checked.where
+            else:
+                checked = _checked(self.drafter_configs, ds, path)
+            if checked is not self.drafter_configs:  # packaged, or calibrated for another setup (warned): the defaults
                 self.drafter_configs = self.drafter_config = checked
                 sources = [RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s
                            for s in sources]
@@ -966,6 +973,18 @@ def _with_end_token(configs: Any, eos: int | None) -> Any:
         return c if c.end_token is not None else c.replace(end_token=eos)
 
     return fix(configs) if isinstance(configs, sssd.DrafterConfig) else configs.map(fix)
+
+
+def _packaged(datastore: Any, model_path: Path) -> Any:
+    """The packaged calibration (a CalibrationFile) if its fingerprint matches the datastore
+    and model, else None (why not is logged at INFO)."""
+    if datastore is None:
+        return None
+    from sssd.calibration_file import CalibrationFile
+    from sssd.paths import packaged_calibration
+
+    found = packaged_calibration(model_path, datastore)
+    return CalibrationFile.load(found) if found is not None else None
 
 
 def _checked(configs: Any, datastore: Any, model_path: Path) -> Any:

@@ -43,11 +43,6 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, datastore: Any = "default", drafter: Any = None,
                  draft: Sequence[Any] | str | None = DEFAULT_DRAFT, speculate: bool = True, budget: int | None = None,
                  **engine: Any):
-        if drafter is None:
-            from sssd.paths import packaged_calibration
-
-            primary = datastore[0] if isinstance(datastore, (list, tuple)) and datastore else datastore
-            drafter = packaged_calibration(model, primary)  # None unless its fingerprint matches
         draft = draft if speculate else []
         self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
                                 config=EngineConfig(speculate=speculate, budget=budget, **engine))

@@ -279,6 +279,27 @@ def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another
         LLMEngine(llama, datastore=store, drafter=tmp_path / "bad.json", config=EngineConfig(max_model_len=128))
 
 
+def test_an_engine_without_a_drafter_takes_the_packaged_calibration_only_where_it_fits(tmp_path, store, llama,
+                                                                                        monkeypatch):
+    import sssd.paths as paths
+    from sssd.serving.engine import EngineConfig, LLMEngine
+
+    entries = {4: sssd.DrafterConfig(use_datastore=False), 16: sssd.DrafterConfig(use_input=False)}
+    mine = write(tmp_path, calibration_dict(entries, Fingerprint.of(store, llama)), "packaged.json")
+    monkeypatch.setattr(paths, "packaged_calibration_file", lambda: mine)
+    cfg = EngineConfig(max_model_len=128, max_running=2, budget=4)
+    eng = LLMEngine(llama, datastore=store, config=cfg)  # drafter=None: the packaged file fits
+    assert isinstance(eng.drafter_configs, CalibrationFile) and list(eng.drafting.entries) == [4, 16]
+    assert eng.drafter_source == str(mine)
+    # an explicit drafter wins; and another datastore does not fit: the defaults
+    eng = LLMEngine(llama, datastore=store, drafter=sssd.DrafterConfig(), config=cfg)
+    assert eng.drafter_configs == sssd.DrafterConfig()
+    rng = np.random.default_rng(3)
+    other = sssd.Datastore.build(random_corpus(rng, 20, vocab=40).astype(np.int64), tmp_path / "other")
+    eng = LLMEngine(llama, datastore=other, config=cfg)
+    assert eng.drafter_configs == sssd.DrafterConfig() and list(eng.drafting.entries) == [0]
+
+
 def test_sssd_calibrate_records_the_fingerprint(tmp_path, store, model_dir, capsys, monkeypatch):
     from sssd.cli import main
 

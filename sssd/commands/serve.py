@@ -235,11 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
         from sssd.commands.draft import ensure_default_datastore
 
         ensure_default_datastore()
-    drafter = args.drafter
-    if drafter == "default":
-        from sssd.paths import packaged_calibration
-
-        drafter = packaged_calibration(args.model, datastore)  # None unless its fingerprint matches
+    drafter = None if args.drafter == "default" else args.drafter  # None: the packaged calibration where it fits
     config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
                           threads=args.threads, reprofile=args.reprofile,
