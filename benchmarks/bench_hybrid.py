@@ -10,8 +10,11 @@ MAT (tokens per step, the bonus included), accepted draft tokens per step,
 accepted tokens per source, the share of the step time spent drafting, and
 whether the outputs equal plain decoding's (they must).
 
-The budget is fixed (--budget): the planner does not know a draft model's
-cost yet. The draft model is loaded once and serves both sets that use it.
+The budget is fixed (--budget) so that the sources compare at one budget (the
+planner would choose one per source and batch size). Whether the draft model
+drafts in a hybrid step is the engine's measured deferral (sssd.deferral); its
+state carries over from one set and batch size to the next, as in a server. The
+draft model is loaded once and serves both sets that use it.
 
 Usage:
   python benchmarks/bench_hybrid.py                      # SmolLM2-135M drafting for itself, ShareGPT datastore
@@ -76,12 +79,18 @@ def main() -> int:
                 eng.config = EngineConfig(**{**config.__dict__, "max_running": B})
                 eng.metrics.draft_seconds = eng.metrics.forward_seconds = 0.0
                 eng.metrics.accepted_by_source.clear()
+                gate = eng.drafting.deferral if eng.drafting is not None else None
+                if gate is not None:
+                    gate.asked = gate.deferred = 0
                 t0 = time.perf_counter()
                 outs = eng.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
                 s = summarize(outs, time.perf_counter() - t0)
                 m = eng.metrics
                 s["draft_share"] = round(m.draft_seconds / max(m.draft_seconds + m.forward_seconds, 1e-9), 3)
                 s["accepted_by_source"] = dict(m.accepted_by_source)
+                # hybrid: the share of steps the draft model drafted in (the deferral's choice)
+                s["model_asked"] = (round(gate.asked / (gate.asked + gate.deferred), 3)
+                                    if gate is not None and gate.asked + gate.deferred else None)
                 s["ids"] = [o.token_ids for o in outs]
                 results[name] = s
             base = results["plain"]
@@ -96,6 +105,7 @@ def main() -> int:
                 rec.add(**row)
                 print(f"{dataset:9s} B={B:<3d} {name:9s} {s['tokens_per_s']:7.2f} tok/s ({row['speedup']:.2f}x) "
                       f"MAT {s['mat']}  accepted/step {s['accepted_per_step']}  drafting {s['draft_share']:.0%}  "
+                      f"model asked {s['model_asked']}  "
                       f"identical={row['identical']}  {s['accepted_by_source']}", flush=True)
     print(table(rows))
     print(f"machine: {machine()}; records: {rec.path}")

@@ -322,7 +322,7 @@ class AsyncDrafter:
                     try:
                         for s in growers:  # a model drafter adds levels while the verifier runs
                             s.grow = self.verifying.is_set
-                        job.drafts, _ = self.pipeline.draft_with_proposals(job.requests)
+                        job.drafts, _ = self.pipeline.draft_with_proposals(job.requests, verified_next=False)
                     except Exception as e:  # noqa: BLE001 - a failed draft costs that step's grown trees
                         job.error = f"{type(e).__name__}: {e}"
                     except BaseException as e:  # the thread goes: its job says why at once

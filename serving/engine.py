@@ -761,6 +761,8 @@ class LLMEngine:
             if req.finished:
                 self._retire(req)
         n_emitted = sum(len(v) for v in emitted.values())
+        if self.drafting is not None and plan.budget:  # what the deferral of costly sources measures
+            self.drafting.deferral.observe_step(B, t_forward, {r.id: a for r, a in zip(reqs, accepted)})
         self.metrics.decode_step(B, int(batch.sizes.sum()), plan.budget, plan.draft_seconds, t_forward, n_emitted,
                                  accepted)
         if self.drafting is not None and out.topk is not None:

@@ -46,9 +46,11 @@ defers_to_retrieval): it drafts only in steps where its expected accepted
 tokens (expected_accepted: its tree's nodes weighted by the measured
 rates) beside retrieval's promises pay for its passes, whose cost
 relative to a target pass (relative_cost) is its levels times the models'
-parameter ratio. A step where retrieval has long confident matches (a
+parameter ratio until its own steps and the target's are measured
+(sssd.deferral). A step where retrieval has long confident matches (a
 prompt being copied) then costs no drafter pass, and a drafter as large as
-the target never drafts beside retrieval (complement=False drafts always).
+the target drafts beside retrieval only in the deferral's exploration
+steps (complement=False drafts always).
 
 The slot holds [verified prefix | tree] (SwiftSpec's layout): when the
 target's tokens (accepted path and bonus) walk down the last tree through
@@ -452,6 +454,10 @@ class ModelDrafter(DraftSource):
             self._owner[s] = None
         self._cached.pop(request_id, None)
 
+    def measured_seconds(self, batch: int) -> float | None:
+        """Measured seconds per drafting step at this batch size (its power-of-two bucket), if any."""
+        return self._seconds.get(1 << max(0, int(batch) - 1).bit_length())
+
     def draft_seconds(self, batch: int, profile: Any = None, target_params: int | None = None) -> float:
         """Seconds this drafter adds to a step of `batch` requests (the planner's cost): measured
         (smoothed, per power-of-two batch bucket) once it has drafted at that size; before that,
@@ -545,9 +551,10 @@ class ModelDrafter(DraftSource):
         for k, r, t in zip(todo, reqs, trees):
             out[k] = t.candidates(self.rates)
             self._last[r.request_id] = t
-        key = 1 << max(0, len(reqs) - 1).bit_length()
-        took = time.perf_counter() - started
-        self._seconds[key] = took if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * took
+        if grow is None:  # a step's drafting as it costs serially (grown trees take as long as the verifier)
+            key = 1 << max(0, len(reqs) - 1).bit_length()
+            took = time.perf_counter() - started
+            self._seconds[key] = took if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * took
         return out
 
     def _catch_up(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, bool]:

@@ -269,7 +269,7 @@ class SelfDrafter(DraftSource):
             self._owner[s] = None
 
     # -- what a chain is worth ------------------------------------------------------------------
-    #: Never deferred by sources._pays: each step's propose asks the cost model at that step's batch
+    #: Never deferred (sssd.deferral): each step's propose asks the cost model at that step's batch
     #: and context, and proposes nothing below the critical context (retrieval drafts alone there).
     defers_to_retrieval = False
 

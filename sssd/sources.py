@@ -186,11 +186,13 @@ class DraftSource(abc.ABC):
     `defers_to_retrieval`: beside retrieval it is then asked only in steps
     where it pays. Retrieval's own trees are drafted first; each promises
     A_r accepted tokens (the sum of its nodes' priorities), the source
-    A_s (`expected_accepted`) at a cost of c target passes
-    (`relative_cost`); the step asks it, for every request (a pass costs
-    about the same for one request as for the batch), when
-    sum(1 + max(A_r, A_s)) > (1 + c) sum(1 + A_r) over the batch. A step it
-    sits out costs it nothing.
+    A_s (`expected_accepted`) at a cost of c target forward passes
+    (measured: `measured_seconds(batch)` over the target's forward time;
+    `relative_cost` until then); the step asks it, for every request (a
+    pass costs about the same for one request as for the batch), when
+    sum(1 + max(A_r, A_s)) > (1 + c) sum(1 + A_r) over the batch, A_r
+    corrected by what retrieval's promises were measured to get
+    (sssd.deferral). A step it sits out costs it nothing.
 
     Attributes:
         name: reported in per-source acceptance metrics.
@@ -207,6 +209,11 @@ class DraftSource(abc.ABC):
     defers_to_retrieval: bool = False
 
     relative_cost: float = 0.0
+
+    def measured_seconds(self, batch: int) -> float | None:
+        """For a deferring source: its measured seconds per drafting step at this batch size
+        (None: not measured yet; the deferral then uses `relative_cost`)."""
+        return None
 
     @property
     def calibration_key(self) -> str:
@@ -352,6 +359,10 @@ class DraftPipeline:
         self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
         self.config = cfg  # what a source added later drafts with (sssd.datastore_source)
         self._discounts = discounts  # the external discounts the merge's score table holds
+        from sssd.deferral import Deferral
+
+        #: the measured terms of when deferring sources draft (sssd.deferral)
+        self.deferral = Deferral()
 
     def __bool__(self) -> bool:
         return self.retrieval or bool(self.external)
@@ -499,10 +510,14 @@ class DraftPipeline:
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         return draft_with_entries(self.drafter, self.entries, ids, budgets, None)
 
-    def draft_with_proposals(self, requests: Sequence[DraftRequest]) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
+    def draft_with_proposals(self, requests: Sequence[DraftRequest],
+                             verified_next: bool = True) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
         """The merged DraftBatch, and per request every external source's checked proposal
         (source tag, Candidates) as it was before the merge: sampled verification needs the
-        draft distributions and draws of randomly drawn candidates (Candidates.dists)."""
+        draft distributions and draws of randomly drawn candidates (Candidates.dists).
+
+        verified_next: these trees are the next step's as drafted (False: trees grown ahead,
+        asynchronous drafting): only such trees teach the deferral what retrieval's promises get."""
         from sssd.calibration_file import draft_with_entries
 
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
@@ -519,7 +534,7 @@ class DraftPipeline:
         if self.external:
             for i, s in enumerate(self.external):
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
-                if promised is not None and s.defers_to_retrieval and not _pays(s, requests, promised):
+                if promised is not None and s.defers_to_retrieval and not self.deferral.pays(i, s, requests, promised):
                     continue  # retrieval alone promises more tokens per second
                 if not asked:
                     continue
@@ -540,20 +555,11 @@ class DraftPipeline:
                         log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
                                     s.name, r.request_id, e)
             external = _concat_candidates(per_request)
+        if verified_next:
+            self.deferral.drafted(requests, promised, retrieval_only=not any(per_request))
         if alone is not None and not any(per_request):
             return alone, per_request  # nothing to merge beside retrieval's own trees
         return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
-
-
-def _pays(source: DraftSource, requests: Sequence[DraftRequest], promised: np.ndarray) -> bool:
-    """Whether a deferring source's drafts beside retrieval's promise more tokens per step than
-    its cost takes away (DraftSource's docstring)."""
-    drafting = [k for k, r in enumerate(requests) if r.budget > 0]
-    if not drafting:
-        return False
-    alone = sum(1.0 + promised[k] for k in drafting)
-    both = sum(1.0 + max(promised[k], source.expected_accepted(requests[k].budget)) for k in drafting)
-    return both > (1.0 + source.relative_cost) * alone
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:

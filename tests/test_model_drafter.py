@@ -222,6 +222,86 @@ def test_a_costly_source_drafts_only_where_retrieval_promises_too_little():
         assert src.asked == [], cost  # retrieval alone promises more than the source could add
 
 
+class Measured(Deferring):
+    """A Deferring source whose drafting time was measured."""
+
+    def __init__(self, cost, seconds):
+        super().__init__(cost)
+        self.seconds = seconds
+
+    def measured_seconds(self, batch):
+        return self.seconds
+
+
+def _two_request_pipe(src):
+    import sssd
+    from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
+
+    ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
+    pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93)
+    pipe.open(1, np.array([4, 5, 6, 7]))
+    pipe.open(2, np.array([80, 81]))
+    return pipe, [DraftRequest(1, np.array([4, 5, 6, 7]), 8), DraftRequest(2, np.array([80, 81]), 8)]
+
+
+def test_the_deferral_uses_the_measured_cost_over_the_target_s_measured_forward_time():
+    from sssd.deferral import Deferral
+
+    # the prior says 5 target passes (never pays); measured: 0.01 s against a 0.1 s forward pass
+    src = Measured(cost=5.0, seconds=0.01)
+    pipe, reqs = _two_request_pipe(src)
+    pipe.draft_with_proposals(reqs)
+    assert src.asked == []  # no forward time measured yet: the prior decides
+    pipe.deferral.observe_step(2, 0.1, {1: 0, 2: 0})
+    assert pipe.deferral.cost(src, 2) == pytest.approx(0.1)
+    pipe.draft_with_proposals(reqs)
+    assert src.asked == [1, 2]
+    # measured dear (10 forward passes): deferred again, though the prior (0.0) says free
+    dear = Measured(cost=0.0, seconds=1.0)
+    pipe, reqs = _two_request_pipe(dear)
+    pipe.deferral.observe_step(2, 0.1, {})
+    pipe.draft_with_proposals(reqs)
+    assert dear.asked == [] and Deferral().cost(dear, 2) == 0.0
+
+
+def test_retrieval_promises_are_corrected_by_what_they_got():
+    """Request 1 continues a datastore phrase and retrieval promises several tokens for it; when its
+    retrieval-only trees get nothing accepted, step after step, the promise shrinks until the source
+    expecting 2 tokens pays for its cost (one forward pass)."""
+    src = Measured(cost=0.0, seconds=0.1)
+    pipe, reqs = _two_request_pipe(src)
+    pipe.deferral.observe_step(1, 0.1, {})
+    ratios = [pipe.deferral.promise_ratio]
+    for _ in range(200):
+        pipe.draft_with_proposals([reqs[0]])
+        if src.asked:
+            break
+        assert pipe.deferral._pending  # retrieval's tree alone: its promise recorded
+        pipe.deferral.observe_step(1, 0.1, {1: 0})
+        ratios.append(pipe.deferral.promise_ratio)
+    assert src.asked == [1] and len(ratios) > 2 and all(b < a for a, b in zip(ratios, ratios[1:]))
+    pipe.deferral.observe_step(1, 0.1, {1: 0})  # the step the source drafted in teaches nothing
+    assert pipe.deferral.promise_ratio == ratios[-1]
+    pipe.deferral.observe_step(1, 0.1, {1: 3})  # nor does a step with nothing drafted
+    assert pipe.deferral.promise_ratio == ratios[-1]
+
+
+def test_a_source_that_never_pays_drafts_every_explore_every_steps():
+    from sssd.deferral import EXPLORE_EVERY
+
+    src = Measured(cost=0.0, seconds=100.0)
+    pipe, reqs = _two_request_pipe(src)
+    pipe.deferral.observe_step(2, 0.1, {})
+    asked_at = []
+    for step in range(2 * EXPLORE_EVERY):
+        pipe.draft_with_proposals(reqs)
+        if src.asked:
+            asked_at.append(step)
+            src.asked = []
+    assert asked_at == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert pipe.deferral.asked == 2 and pipe.deferral.deferred == 2 * EXPLORE_EVERY - 2
+
+
 def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
     eng = engine(llama, [ModelDrafter(llama, target=llama, slots=4, capacity=256, expansion=(2, 1, 1))],
                  budget=8, max_running=4)

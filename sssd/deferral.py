@@ -1,0 +1,101 @@
+"""When a costly draft source (a draft model) drafts beside retrieval: measured, per step.
+
+A deferring source (DraftSource.defers_to_retrieval) is asked in a step only when its drafts
+beside retrieval's promise more tokens per second than retrieval's alone (sources.DraftSource).
+With A_r what retrieval's tree promises for a request, A_s what the source expects for it and
+c the source's drafting time over the target's forward time, it is asked when
+
+    sum(1 + max(A_r, A_s)) > (1 + c) * sum(1 + A_r)       over the requests that draft.
+
+Each term is measured where it can be, since the priors are off by factors on real hardware
+(seen: a 0.5B drafter's prior cost of 1.28 target passes against 0.92 measured at batch 4,
+with the target verifying 9 tokens a row; retrieval uncalibrated for a model promising more
+than it gets):
+
+- c: the source's measured seconds per drafting step (`measured_seconds(batch)`) over the
+  target's measured forward seconds at that batch size (`observe_step`), per power-of-two
+  batch bucket; its `relative_cost` prior until both are known.
+- A_r: retrieval's promise (the sum of its nodes' merge priorities) times the ratio of the
+  tokens retrieval-only trees got accepted to what they promised (smoothed, starting at 1
+  with PROMISE_PRIOR tokens of weight), learnt from the steps the source sat out.
+- A_s: the source's own `expected_accepted` (a model drafter's measured rates).
+
+A source that sat out EXPLORE_EVERY steps in a row drafts in the next one anyway, so that its
+cost and acceptance stay measured when the rule would keep it out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Steps in a row a deferring source sits out before it drafts once anyway (measuring it).
+EXPLORE_EVERY = 16
+#: Weight, in promised tokens, of the prior "retrieval gets what it promises".
+PROMISE_PRIOR = 16.0
+#: Forgetting per observed step (the workload drifts).
+DECAY = 0.97
+
+
+def bucket(batch: int) -> int:
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
+class Deferral:
+    """The measured terms of the deferral rule (module docstring), kept by a DraftPipeline."""
+
+    def __init__(self):
+        self.forward: dict[int, float] = {}                 # batch bucket -> smoothed forward seconds
+        self.got, self.promised = PROMISE_PRIOR, PROMISE_PRIOR  # retrieval-only steps: accepted / promised
+        self.sat_out: dict[int, int] = {}                    # source index -> steps sat out in a row
+        self._pending: dict[int, float] = {}                 # request id -> promise of its retrieval-only tree
+        self.asked = self.deferred = 0
+
+    @property
+    def promise_ratio(self) -> float:
+        return self.got / self.promised
+
+    def cost(self, source: Any, batch: int) -> float:
+        """The source's drafting time over the target's forward time at this batch size."""
+        measured = getattr(source, "measured_seconds", None)
+        seconds = measured(batch) if callable(measured) else None
+        forward = self.forward.get(bucket(batch))
+        if seconds is not None and forward:
+            return seconds / forward
+        return float(source.relative_cost)
+
+    def pays(self, index: int, source: Any, requests: Sequence[Any], promised: np.ndarray) -> bool:
+        """Whether the source (the pipeline's external[index]) drafts this step."""
+        drafting = [k for k, r in enumerate(requests) if r.budget > 0]
+        if not drafting:
+            return False
+        a_r = promised * self.promise_ratio
+        alone = sum(1.0 + a_r[k] for k in drafting)
+        both = sum(1.0 + max(a_r[k], source.expected_accepted(requests[k].budget)) for k in drafting)
+        if both > (1.0 + self.cost(source, len(drafting))) * alone:
+            ask = True
+        else:
+            ask = self.sat_out.get(index, 0) + 1 >= EXPLORE_EVERY
+        self.sat_out[index] = 0 if ask else self.sat_out.get(index, 0) + 1
+        self.asked += ask
+        self.deferred += not ask
+        return ask
+
+    def drafted(self, requests: Sequence[Any], promised: np.ndarray | None, retrieval_only: bool) -> None:
+        """What a step's trees promised, to compare with what they get (retrieval-only trees only)."""
+        self._pending = ({r.request_id: float(promised[k]) for k, r in enumerate(requests) if r.budget > 0}
+                         if retrieval_only and promised is not None else {})
+
+    def observe_step(self, batch: int, forward_seconds: float, accepted: dict[int, int]) -> None:
+        """After a step: the target's forward time at this batch size, and per request the draft
+        tokens accepted (for the promise ratio, where the step's trees were retrieval's alone)."""
+        key = bucket(batch)
+        old = self.forward.get(key)
+        self.forward[key] = forward_seconds if old is None else 0.8 * old + 0.2 * forward_seconds
+        pending, self._pending = self._pending, {}
+        both = [(accepted[rid], p) for rid, p in pending.items() if rid in accepted]
+        if both:
+            got, prom = (float(sum(x)) for x in zip(*both))
+            self.got = DECAY * self.got + got + (1 - DECAY) * PROMISE_PRIOR
+            self.promised = DECAY * self.promised + prom + (1 - DECAY) * PROMISE_PRIOR
