@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from sssd.measured_choice import MeasuredChoice, bucket
 from sssd.tree import DraftBatch
 
 log = logging.getLogger("sssd.serving")
@@ -374,51 +375,15 @@ class AsyncDrafter:
 
 
 # -- measured mode choice ------------------------------------------------------------------
-class ModeChooser:
-    """Chooses, per batch-size bucket, serial or async drafting by measured tokens per second.
+class ModeChooser(MeasuredChoice):
+    """Chooses, per batch-size bucket, serial or async drafting by measured tokens per second
+    (sssd.measured_choice): blocks of BLOCK_STEPS steps in one mode, serial first (the known
+    cost), then the faster, the other probed every PROBE_EVERY blocks."""
 
-    Blocks of BLOCK_STEPS steps run in one mode; the first two blocks of a bucket measure
-    each mode (serial first), then the faster runs, and every PROBE_EVERY blocks the slower is measured
-    again (machines and workloads change). Smoothed totals per mode, never a constant.
-    """
+    bucket = staticmethod(bucket)
 
     def __init__(self, block: int = BLOCK_STEPS, probe_every: int = PROBE_EVERY, fixed: str | None = None):
-        if fixed not in (None, "serial", "async"):
-            raise ValueError(f"fixed must be None, 'serial' or 'async', got {fixed!r}")
-        self.block, self.probe_every, self.fixed = int(block), int(probe_every), fixed
-        self._stats: dict[int, dict[str, list[float]]] = {}   # bucket -> mode -> [seconds, tokens]
-        self._state: dict[int, list] = {}                      # bucket -> [mode, steps left, blocks run]
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(0, int(batch) - 1).bit_length()
+        super().__init__(("serial", "async"), block, probe_every, fixed)
 
     def mode(self, batch: int) -> str:
-        if self.fixed is not None:
-            return self.fixed
-        key = self.bucket(batch)
-        st = self._state.setdefault(key, ["serial", self.block, 0])  # serial first: the known cost
-        if st[1] <= 0:
-            stats = self._stats.get(key, {})
-            st[2] += 1
-            if "serial" not in stats:
-                st[0] = "serial"
-            elif "async" not in stats:
-                st[0] = "async"
-            else:
-                best = max(("serial", "async"), key=lambda m: stats[m][1] / max(stats[m][0], 1e-9))
-                other = "async" if best == "serial" else "serial"
-                st[0] = other if st[2] % self.probe_every == 0 else best
-            st[1] = self.block
-        return st[0]
-
-    def observe(self, batch: int, mode: str, seconds: float, tokens: int) -> None:
-        key = self.bucket(batch)
-        st = self._state.setdefault(key, [mode, self.block, 0])
-        st[1] -= 1
-        s = self._stats.setdefault(key, {}).setdefault(mode, [0.0, 0.0])
-        s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
-
-    def rates(self) -> dict[int, dict[str, float]]:
-        """Per bucket, each measured mode's smoothed tokens per second."""
-        return {k: {m: v[1] / max(v[0], 1e-9) for m, v in d.items()} for k, d in self._stats.items()}
+        return self.choose(batch)

@@ -599,6 +599,8 @@ class LLMEngine:
         if not budgets.any():
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
         mode = self.mode_chooser.mode(B) if self.mode_chooser is not None and budget else "serial"
+        if budget and self.drafting.defers:  # whether a draft model drafts beside retrieval: measured
+            self.drafting.deferral.begin_step(B)
         if not budget:
             drafts, use, proposals = None, None, None
         elif self.async_drafter is not None:
@@ -761,8 +763,6 @@ class LLMEngine:
             if req.finished:
                 self._retire(req)
         n_emitted = sum(len(v) for v in emitted.values())
-        if self.drafting is not None and plan.budget:  # what the deferral of costly sources measures
-            self.drafting.deferral.observe_step(B, t_forward, {r.id: a for r, a in zip(reqs, accepted)})
         self.metrics.decode_step(B, int(batch.sizes.sum()), plan.budget, plan.draft_seconds, t_forward, n_emitted,
                                  accepted)
         if self.drafting is not None and out.topk is not None:
@@ -779,6 +779,9 @@ class LLMEngine:
                 self._drafting_call(self._extend, live)
         seconds = time.perf_counter() - plan.started
         self.planner.observe(B, plan.budget, seconds, n_emitted)
+        if self.drafting is not None and plan.budget:  # what the deferral of costly sources measures
+            self.drafting.deferral.observe_step(B, t_forward, {r.id: a for r, a in zip(reqs, accepted)},
+                                                seconds, n_emitted)
         if self.mode_chooser is not None and plan.budget:
             self.mode_chooser.observe(B, plan.mode, seconds, n_emitted)
         if self.metrics.timeline is not None:

@@ -454,6 +454,10 @@ class ModelDrafter(DraftSource):
             self._owner[s] = None
         self._cached.pop(request_id, None)
 
+    def lag(self, request_id: int) -> int:
+        """The request's tokens not yet in its slot (its next catch-up pass)."""
+        return self._length.get(request_id, 0) - self._cached.get(request_id, 0)
+
     def measured_seconds(self, batch: int) -> float | None:
         """Measured seconds per drafting step at this batch size (its power-of-two bucket), if any."""
         return self._seconds.get(1 << max(0, int(batch) - 1).bit_length())

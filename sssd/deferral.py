@@ -22,6 +22,13 @@ than it gets):
 
 A source that sat out EXPLORE_EVERY steps in a row drafts in the next one anyway, so that its
 cost and acceptance stay measured when the rule would keep it out.
+
+The rule is still a model, and its errors are the kind a step-by-step choice pays twice for (a
+draft model asked every other step catches up on the steps it sat out). So whether steps follow
+it is itself measured (sssd.measured_choice), per batch-size bucket, in tokens per second of whole
+steps: "rule" (the above), "always" (the source drafts every step: the hybrid in full) and "never"
+(retrieval alone). The engine begins each step's choice (`begin_step`) and reports the step
+(`observe_step`); a pipeline driven without them follows the rule.
 """
 
 from __future__ import annotations
@@ -30,16 +37,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sssd.measured_choice import MeasuredChoice, bucket
+
 #: Steps in a row a deferring source sits out before it drafts once anyway (measuring it).
 EXPLORE_EVERY = 16
 #: Weight, in promised tokens, of the prior "retrieval gets what it promises".
 PROMISE_PRIOR = 16.0
 #: Forgetting per observed step (the workload drifts).
 DECAY = 0.97
-
-
-def bucket(batch: int) -> int:
-    return 1 << max(0, int(batch) - 1).bit_length()
+#: How a step's deferring sources are asked: by the rule, always, never (measured per batch size).
+ARMS = ("rule", "always", "never")
 
 
 class Deferral:
@@ -51,6 +58,16 @@ class Deferral:
         self.sat_out: dict[int, int] = {}                    # source index -> steps sat out in a row
         self._pending: dict[int, float] = {}                 # request id -> promise of its retrieval-only tree
         self.asked = self.deferred = 0
+        #: whether steps follow the rule, or ask the source always, or never (measured per batch size)
+        self.policy = MeasuredChoice(ARMS)
+        self.arm: str | None = None   # this step's (begin_step); None: the rule
+        self._batch = 0
+
+    def begin_step(self, batch: int) -> str:
+        """Chooses how this step's deferring sources are asked (an arm of ARMS)."""
+        self._batch = batch
+        self.arm = self.policy.choose(batch)
+        return self.arm
 
     @property
     def promise_ratio(self) -> float:
@@ -70,14 +87,15 @@ class Deferral:
         drafting = [k for k, r in enumerate(requests) if r.budget > 0]
         if not drafting:
             return False
-        a_r = promised * self.promise_ratio
-        alone = sum(1.0 + a_r[k] for k in drafting)
-        both = sum(1.0 + max(a_r[k], source.expected_accepted(requests[k].budget)) for k in drafting)
-        if both > (1.0 + self.cost(source, len(drafting))) * alone:
-            ask = True
+        if self.arm in ("always", "never"):
+            ask = self.arm == "always"
         else:
-            ask = self.sat_out.get(index, 0) + 1 >= EXPLORE_EVERY
-        self.sat_out[index] = 0 if ask else self.sat_out.get(index, 0) + 1
+            a_r = promised * self.promise_ratio
+            alone = sum(1.0 + a_r[k] for k in drafting)
+            both = sum(1.0 + max(a_r[k], source.expected_accepted(requests[k].budget)) for k in drafting)
+            ask = both > (1.0 + self.cost(source, len(drafting))) * alone \
+                or self.sat_out.get(index, 0) + 1 >= EXPLORE_EVERY
+            self.sat_out[index] = 0 if ask else self.sat_out.get(index, 0) + 1
         self.asked += ask
         self.deferred += not ask
         return ask
@@ -87,9 +105,14 @@ class Deferral:
         self._pending = ({r.request_id: float(promised[k]) for k, r in enumerate(requests) if r.budget > 0}
                          if retrieval_only and promised is not None else {})
 
-    def observe_step(self, batch: int, forward_seconds: float, accepted: dict[int, int]) -> None:
-        """After a step: the target's forward time at this batch size, and per request the draft
-        tokens accepted (for the promise ratio, where the step's trees were retrieval's alone)."""
+    def observe_step(self, batch: int, forward_seconds: float, accepted: dict[int, int],
+                     seconds: float | None = None, tokens: int = 0) -> None:
+        """After a step: the target's forward time at this batch size, per request the draft tokens
+        accepted (for the promise ratio, where the step's trees were retrieval's alone), and the
+        whole step's seconds and emitted tokens (for the arm begun, if any)."""
+        if self.arm is not None and seconds is not None:
+            self.policy.observe(self._batch or batch, self.arm, seconds, tokens)
+        self.arm = None
         key = bucket(batch)
         old = self.forward.get(key)
         self.forward[key] = forward_seconds if old is None else 0.8 * old + 0.2 * forward_seconds

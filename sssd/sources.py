@@ -210,6 +210,13 @@ class DraftSource(abc.ABC):
 
     relative_cost: float = 0.0
 
+    def lag(self, request_id: int) -> int:
+        """Tokens of the request the source must take in before it can draft for it (a draft
+        model's catch-up pass; 0: none). Trees grown ahead (asynchronous drafting) ask a deferring
+        source only where its lag is within their budget: a long catch-up pass on the drafting
+        thread would outlast the verifier and leave the next step without drafts."""
+        return 0
+
     def measured_seconds(self, batch: int) -> float | None:
         """For a deferring source: its measured seconds per drafting step at this batch size
         (None: not measured yet; the deferral then uses `relative_cost`)."""
@@ -363,6 +370,11 @@ class DraftPipeline:
 
         #: the measured terms of when deferring sources draft (sssd.deferral)
         self.deferral = Deferral()
+
+    @property
+    def defers(self) -> bool:
+        """Whether a source defers to retrieval here (sssd.deferral decides when it drafts)."""
+        return self.retrieval and any(s.defers_to_retrieval for s in self.external)
 
     def __bool__(self) -> bool:
         return self.retrieval or bool(self.external)
@@ -534,6 +546,8 @@ class DraftPipeline:
         if self.external:
             for i, s in enumerate(self.external):
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
+                if s.defers_to_retrieval and not verified_next and any(s.lag(r.request_id) > r.budget for r in asked):
+                    continue  # grown ahead: it catches up in a step of its own (the serial rule's)
                 if promised is not None and s.defers_to_retrieval and not self.deferral.pays(i, s, requests, promised):
                     continue  # retrieval alone promises more tokens per second
                 if not asked:

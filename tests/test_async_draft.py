@@ -205,6 +205,29 @@ def test_union_holds_each_path_once_with_its_better_node():
         assert all(path[:-1] in cut or len(path) == 1 for path in cut)  # closed under parents
 
 
+def test_a_measured_choice_of_three_arms_runs_the_fastest_and_probes_each_other_in_turn():
+    from sssd.measured_choice import MeasuredChoice
+
+    ch = MeasuredChoice(("rule", "always", "never"), block=2, probe_every=4)
+    rates = {"rule": 100.0, "always": 80.0, "never": 150.0}
+    seen = []
+    for _ in range(120):
+        a = ch.choose(4)
+        seen.append(a)
+        ch.observe(4, a, 10 / rates[a], 10)
+    assert seen[:6] == ["rule", "rule", "always", "always", "never", "never"]  # each measured, in order
+    late = seen[30:]
+    assert late.count("never") > 2 * (late.count("rule") + late.count("always"))
+    assert late.count("rule") > 0 and late.count("always") > 0  # both probed, not just one
+    r = ch.rates()
+    assert list(r) == [4] and max(r[4], key=r[4].get) == "never"
+    assert ch.choose(16) == "rule"  # another bucket starts with the default
+    with pytest.raises(ValueError, match="two or more"):
+        MeasuredChoice(("only",))
+    with pytest.raises(ValueError, match="fixed"):
+        MeasuredChoice(("a", "b"), fixed="c")
+
+
 def test_mode_chooser_keeps_the_faster_mode_and_probes_the_other():
     ch = ModeChooser(block=2, probe_every=4)
     rates = {"serial": 100.0, "async": 150.0}
@@ -268,9 +291,11 @@ def test_promoted_kv_gives_the_q_a_fresh_drafter_computes(llama, grown):
     prompt = np.array(PROMPTS[0], dtype=np.int64)
     a, b = ModelDrafter(llama, slots=1, capacity=256), ModelDrafter(llama, slots=1, capacity=256)
     a.open(1, prompt)
+    assert a.lag(1) == len(prompt)  # nothing fed yet
     a.grow = (lambda: True) if grown else None
     first = a.propose([DraftRequest(1, prompt, 10)])[0]
     a.grow = None
+    assert a.lag(1) == 0
     chain, node = [], -1  # the main chain (the first child at every node): what the target accepts
     while True:
         kids = [i for i in range(len(first.tokens)) if first.parents[i] == node]
@@ -281,7 +306,7 @@ def test_promoted_kv_gives_the_q_a_fresh_drafter_computes(llama, grown):
     assert len(chain) >= (5 if grown else 4)
     appended = np.array(chain[:3], dtype=np.int64)
     a.extend(1, appended)
-    assert a.promoted == 3
+    assert a.promoted == 3 and a.lag(1) == 0  # the appended tokens walked down fed nodes
     tokens = np.concatenate([prompt, appended])
     passes = a.passes
     got = a.propose([DraftRequest(1, tokens, 24)])[0]

@@ -302,6 +302,42 @@ def test_a_source_that_never_pays_drafts_every_explore_every_steps():
     assert pipe.deferral.asked == 2 and pipe.deferral.deferred == 2 * EXPLORE_EVERY - 2
 
 
+def test_the_engine_s_measured_arm_overrides_the_rule_for_its_step():
+    from sssd.measured_choice import MeasuredChoice
+
+    src = Measured(cost=5.0, seconds=None)  # the rule: never
+    pipe, reqs = _two_request_pipe(src)
+    gate = pipe.deferral
+    for arm, asked in (("rule", []), ("always", [1, 2]), ("never", [])):
+        gate.policy = MeasuredChoice(("rule", "always", "never"), fixed=arm)
+        assert gate.begin_step(2) == arm
+        src.asked = []
+        pipe.draft_with_proposals(reqs)
+        assert src.asked == asked, arm
+        gate.observe_step(2, 0.1, {1: 0, 2: 0}, seconds=0.2, tokens=2)
+        assert gate.arm is None  # a step's arm ends with it: the pipeline alone follows the rule
+    gate.policy = MeasuredChoice(("rule", "always", "never"), block=1)
+    for arm, seconds in (("rule", 1.0), ("always", 0.5), ("never", 2.0)):
+        assert gate.begin_step(2) == arm
+        gate.observe_step(2, 0.1, {}, seconds=seconds, tokens=4)
+    assert gate.begin_step(2) == "always"  # the fastest of the three, measured
+
+
+def test_trees_grown_ahead_ask_a_deferring_source_only_within_its_lag():
+    """A catch-up pass longer than the grown tree's budget would outlast the verifier: trees grown
+    ahead (verified_next=False) leave that source out; the serial rule's steps still ask it."""
+    src = Measured(cost=0.0, seconds=0.0)  # always pays
+    pipe, reqs = _two_request_pipe(src)
+    for lag, grown_asked in ((0, [1, 2]), (8, [1, 2]), (9, [])):
+        src.lag = lambda rid, lag=lag: lag if rid == 2 else 0
+        src.asked = []
+        pipe.draft_with_proposals(reqs, verified_next=False)
+        assert src.asked == grown_asked, lag
+        src.asked = []
+        pipe.draft_with_proposals(reqs)
+        assert src.asked == [1, 2], lag
+
+
 def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
     eng = engine(llama, [ModelDrafter(llama, target=llama, slots=4, capacity=256, expansion=(2, 1, 1))],
                  budget=8, max_running=4)
@@ -313,6 +349,7 @@ def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain
     rates = src.acceptance_rates()
     assert (rates[:3, 0] == 1).all() and (rates[:1, 1] == 0).all()  # the argmax child, never the runner-up
     assert src.draft_seconds(4) > 0  # measured, for the planner
+    assert src.measured_seconds(4) == src.draft_seconds(4)
 
 
 def test_smollm2_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain():

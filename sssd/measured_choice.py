@@ -1,0 +1,75 @@
+"""A choice among ways of running a step, kept by measured tokens per second per batch size.
+
+Used where a model of the costs is not trusted to decide alone: serial or asynchronous
+drafting (serving.async_draft.ModeChooser), and whether a draft model drafts beside
+retrieval (sssd.deferral). Per batch-size bucket (powers of two) blocks of `block` steps
+run one arm; the first blocks measure each arm in order (the first arm is the known
+default), then the fastest runs, and every `probe_every` blocks the arm measured longest
+ago is measured again (machines and workloads change). Smoothed totals per arm, never a
+constant.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def bucket(batch: int) -> int:
+    """The power-of-two batch-size bucket of `batch`."""
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
+class MeasuredChoice:
+    """Chooses one of `arms` per batch-size bucket by measured tokens per second (module docstring).
+
+    Args:
+        arms: the choices, the default first.
+        block: steps per measured block of one arm.
+        probe_every: blocks of the best arm between probes of another.
+        fixed: always this arm (nothing measured); None to choose.
+    """
+
+    def __init__(self, arms: Sequence[str], block: int = 8, probe_every: int = 8, fixed: str | None = None):
+        self.arms = tuple(arms)
+        if len(self.arms) < 2 or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"a measured choice needs two or more distinct arms, got {self.arms!r}")
+        if fixed is not None and fixed not in self.arms:
+            raise ValueError(f"fixed must be None or one of {', '.join(map(repr, self.arms))}, got {fixed!r}")
+        self.block, self.probe_every, self.fixed = int(block), int(probe_every), fixed
+        self._stats: dict[int, dict[str, list[float]]] = {}   # bucket -> arm -> [seconds, tokens]
+        self._state: dict[int, list] = {}                      # bucket -> [arm, steps left, blocks run]
+        self._last: dict[int, dict[str, int]] = {}             # bucket -> arm -> the block it last ran in
+
+    def choose(self, batch: int) -> str:
+        """The arm of a step at this batch size."""
+        if self.fixed is not None:
+            return self.fixed
+        key = bucket(batch)
+        st = self._state.setdefault(key, [self.arms[0], self.block, 0])
+        if st[1] <= 0:
+            stats, last = self._stats.get(key, {}), self._last.setdefault(key, {})
+            st[2] += 1
+            unmeasured = [a for a in self.arms if a not in stats]
+            if unmeasured:
+                st[0] = unmeasured[0]
+            else:
+                best = max(self.arms, key=lambda a: stats[a][1] / max(stats[a][0], 1e-9))
+                if st[2] % self.probe_every == 0:  # the arm measured longest ago, the best aside
+                    st[0] = min((a for a in self.arms if a != best), key=lambda a: last.get(a, -1))
+                else:
+                    st[0] = best
+            st[1] = self.block
+            last[st[0]] = st[2]
+        return st[0]
+
+    def observe(self, batch: int, arm: str, seconds: float, tokens: int) -> None:
+        """A step at this batch size ran `arm` for `seconds` and emitted `tokens`."""
+        key = bucket(batch)
+        st = self._state.setdefault(key, [arm, self.block, 0])
+        st[1] -= 1
+        s = self._stats.setdefault(key, {}).setdefault(arm, [0.0, 0.0])
+        s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
+
+    def rates(self) -> dict[int, dict[str, float]]:
+        """Per bucket, each measured arm's smoothed tokens per second."""
+        return {k: {a: v[1] / max(v[0], 1e-9) for a, v in d.items()} for k, d in self._stats.items()}
