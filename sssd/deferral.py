@@ -27,8 +27,10 @@ The rule is still a model, and its errors are the kind a step-by-step choice pay
 draft model asked every other step catches up on the steps it sat out). So whether steps follow
 it is itself measured (sssd.measured_choice), per batch-size bucket, in tokens per second of whole
 steps: "rule" (the above), "always" (the source drafts every step: the hybrid in full) and "never"
-(retrieval alone). The engine begins each step's choice (`begin_step`) and reports the step
-(`observe_step`); a pipeline driven without them follows the rule.
+(retrieval alone), measured apart for serial and asynchronous steps (that choice is measured
+too, in blocks of the same length: keyed together, each would measure the other's arms). The
+engine begins each step's choice (`begin_step`) and reports the step (`observe_step`); a
+pipeline driven without them follows the rule.
 """
 
 from __future__ import annotations
@@ -61,12 +63,13 @@ class Deferral:
         #: whether steps follow the rule, or ask the source always, or never (measured per batch size)
         self.policy = MeasuredChoice(ARMS)
         self.arm: str | None = None   # this step's (begin_step); None: the rule
-        self._batch = 0
+        self._batch, self._mode = 0, None
 
-    def begin_step(self, batch: int) -> str:
-        """Chooses how this step's deferring sources are asked (an arm of ARMS)."""
-        self._batch = batch
-        self.arm = self.policy.choose(batch)
+    def begin_step(self, batch: int, mode: str | None = None) -> str:
+        """Chooses how this step's deferring sources are asked (an arm of ARMS). `mode`: how the
+        step drafts (serial or async: chosen beside this, by measurement too), measured apart."""
+        self._batch, self._mode = batch, mode
+        self.arm = self.policy.choose(batch, mode)
         return self.arm
 
     @property
@@ -111,7 +114,7 @@ class Deferral:
         accepted (for the promise ratio, where the step's trees were retrieval's alone), and the
         whole step's seconds and emitted tokens (for the arm begun, if any)."""
         if self.arm is not None and seconds is not None:
-            self.policy.observe(self._batch or batch, self.arm, seconds, tokens)
+            self.policy.observe(self._batch or batch, self.arm, seconds, tokens, self._mode)
         self.arm = None
         key = bucket(batch)
         old = self.forward.get(key)

@@ -19,6 +19,10 @@ def bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
+def _key(batch: int, scope: str | None):
+    return bucket(batch) if scope is None else (scope, bucket(batch))
+
+
 class MeasuredChoice:
     """Chooses one of `arms` per batch-size bucket by measured tokens per second (module docstring).
 
@@ -36,15 +40,17 @@ class MeasuredChoice:
         if fixed is not None and fixed not in self.arms:
             raise ValueError(f"fixed must be None or one of {', '.join(map(repr, self.arms))}, got {fixed!r}")
         self.block, self.probe_every, self.fixed = int(block), int(probe_every), fixed
-        self._stats: dict[int, dict[str, list[float]]] = {}   # bucket -> arm -> [seconds, tokens]
-        self._state: dict[int, list] = {}                      # bucket -> [arm, steps left, blocks run]
-        self._last: dict[int, dict[str, int]] = {}             # bucket -> arm -> the block it last ran in
+        self._stats: dict = {}   # bucket (or (scope, bucket)) -> arm -> [seconds, tokens]
+        self._state: dict = {}   # bucket -> [arm, steps left, blocks run]
+        self._last: dict = {}    # bucket -> arm -> the block it last ran in
 
-    def choose(self, batch: int) -> str:
-        """The arm of a step at this batch size."""
+    def choose(self, batch: int, scope: str | None = None) -> str:
+        """The arm of a step at this batch size; `scope` keeps separate measurements for steps that
+        differ otherwise (another choice made beside this one: its arms must not take turns with
+        these in step, or each would measure the other's)."""
         if self.fixed is not None:
             return self.fixed
-        key = bucket(batch)
+        key = _key(batch, scope)
         st = self._state.setdefault(key, [self.arms[0], self.block, 0])
         if st[1] <= 0:
             stats, last = self._stats.get(key, {}), self._last.setdefault(key, {})
@@ -62,14 +68,15 @@ class MeasuredChoice:
             last[st[0]] = st[2]
         return st[0]
 
-    def observe(self, batch: int, arm: str, seconds: float, tokens: int) -> None:
-        """A step at this batch size ran `arm` for `seconds` and emitted `tokens`."""
-        key = bucket(batch)
+    def observe(self, batch: int, arm: str, seconds: float, tokens: int, scope: str | None = None) -> None:
+        """A step at this batch size (in `scope`) ran `arm` for `seconds` and emitted `tokens`."""
+        key = _key(batch, scope)
         st = self._state.setdefault(key, [arm, self.block, 0])
         st[1] -= 1
         s = self._stats.setdefault(key, {}).setdefault(arm, [0.0, 0.0])
         s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
 
-    def rates(self) -> dict[int, dict[str, float]]:
-        """Per bucket, each measured arm's smoothed tokens per second."""
+    def rates(self) -> dict:
+        """Per bucket (a (scope, bucket) pair for scoped steps), each measured arm's smoothed
+        tokens per second."""
         return {k: {a: v[1] / max(v[0], 1e-9) for a, v in d.items()} for k, d in self._stats.items()}

@@ -222,6 +222,9 @@ def test_a_measured_choice_of_three_arms_runs_the_fastest_and_probes_each_other_
     r = ch.rates()
     assert list(r) == [4] and max(r[4], key=r[4].get) == "never"
     assert ch.choose(16) == "rule"  # another bucket starts with the default
+    assert ch.choose(4, "async") == "rule"  # so does another scope: measured apart
+    ch.observe(4, "rule", 1.0, 5, "async")
+    assert ch.rates()[("async", 4)] == {"rule": 5.0} and set(ch.rates()[4]) == {"rule", "always", "never"}
     with pytest.raises(ValueError, match="two or more"):
         MeasuredChoice(("only",))
     with pytest.raises(ValueError, match="fixed"):
