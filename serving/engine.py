@@ -600,7 +600,7 @@ class LLMEngine:
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
         mode = self.mode_chooser.mode(B) if self.mode_chooser is not None and budget else "serial"
         if budget and self.drafting.defers:  # whether a draft model drafts beside retrieval: measured
-            self.drafting.deferral.begin_step(B, mode if self.mode_chooser is not None else None)
+            self.drafting.deferral.begin_step(B, mode)
         if not budget:
             drafts, use, proposals = None, None, None
         elif self.async_drafter is not None:

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from sssd.config import SourceDiscount
+from sssd.measured_choice import bucket
 from sssd.serving.acceptance import processed_probs
 from sssd.serving.tree_batch import pack_chain
 from sssd.sources import Candidates, DraftDistributions, DraftRequest, DraftSource
@@ -460,16 +461,16 @@ class ModelDrafter(DraftSource):
 
     def measured_seconds(self, batch: int) -> float | None:
         """Measured seconds per drafting step at this batch size (its power-of-two bucket), if any."""
-        return self._seconds.get(1 << max(0, int(batch) - 1).bit_length())
+        return self._seconds.get(bucket(batch))
 
     def draft_seconds(self, batch: int, profile: Any = None, target_params: int | None = None) -> float:
         """Seconds this drafter adds to a step of `batch` requests (the planner's cost): measured
         (smoothed, per power-of-two batch bucket) once it has drafted at that size; before that,
         one target pass per level over the level's nodes (the target's forward profile), scaled
         by the drafter's share of the target's parameters."""
-        key = 1 << max(0, int(batch) - 1).bit_length()
-        if key in self._seconds:
-            return self._seconds[key]
+        measured = self.measured_seconds(batch)
+        if measured is not None:
+            return measured
         if profile is None or not target_params:
             return 0.0
         ratio = self.backend.info.shape.get("params", target_params) / target_params
@@ -556,7 +557,7 @@ class ModelDrafter(DraftSource):
             out[k] = t.candidates(self.rates)
             self._last[r.request_id] = t
         if grow is None:  # a step's drafting as it costs serially (grown trees take as long as the verifier)
-            key = 1 << max(0, len(reqs) - 1).bit_length()
+            key = bucket(len(reqs))
             took = time.perf_counter() - started
             self._seconds[key] = took if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * took
         return out

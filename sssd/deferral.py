@@ -63,12 +63,12 @@ class Deferral:
         #: whether steps follow the rule, or ask the source always, or never (measured per batch size)
         self.policy = MeasuredChoice(ARMS)
         self.arm: str | None = None   # this step's (begin_step); None: the rule
-        self._batch, self._mode = 0, None
+        self._mode: str | None = None  # this step's drafting mode (the arms' scope)
 
     def begin_step(self, batch: int, mode: str | None = None) -> str:
         """Chooses how this step's deferring sources are asked (an arm of ARMS). `mode`: how the
         step drafts (serial or async: chosen beside this, by measurement too), measured apart."""
-        self._batch, self._mode = batch, mode
+        self._mode = mode
         self.arm = self.policy.choose(batch, mode)
         return self.arm
 
@@ -78,8 +78,7 @@ class Deferral:
 
     def cost(self, source: Any, batch: int) -> float:
         """The source's drafting time over the target's forward time at this batch size."""
-        measured = getattr(source, "measured_seconds", None)
-        seconds = measured(batch) if callable(measured) else None
+        seconds = source.measured_seconds(batch)
         forward = self.forward.get(bucket(batch))
         if seconds is not None and forward:
             return seconds / forward
@@ -114,7 +113,7 @@ class Deferral:
         accepted (for the promise ratio, where the step's trees were retrieval's alone), and the
         whole step's seconds and emitted tokens (for the arm begun, if any)."""
         if self.arm is not None and seconds is not None:
-            self.policy.observe(self._batch or batch, self.arm, seconds, tokens, self._mode)
+            self.policy.observe(batch, self.arm, seconds, tokens, self._mode)
         self.arm = None
         key = bucket(batch)
         old = self.forward.get(key)
