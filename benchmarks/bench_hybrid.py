@@ -16,6 +16,12 @@ drafts in a hybrid step is the engine's measured deferral (sssd.deferral); its
 state carries over from one set and batch size to the next, as in a server. The
 draft model is loaded once and serves both sets that use it.
 
+This machine's speed drifts by tens of percent between runs minutes apart, more
+than the sources differ by in some cells. With --rounds R every configuration
+runs R times per set and batch size, interleaved, each round starting one
+configuration later; the hybrid's ratio to the better single source is taken
+within each round and reported per round and as the median.
+
 Usage:
   python benchmarks/bench_hybrid.py                      # SmolLM2-135M drafting for itself, ShareGPT datastore
   python benchmarks/bench_hybrid.py --model qwen2.5-coder-1.5b-instruct \\
@@ -29,6 +35,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts, summarize  # noqa: E402
@@ -54,7 +61,12 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=8, help="fixed draft budget of every set")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every configuration per set and batch size, interleaved (each round starts one "
+                         "configuration later); ratios are taken within a round, and their median reported")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be 1 or more, got {args.rounds}")
     rec = Recorder("hybrid", vars(args))
     max_b = max(args.batch_sizes)
     config = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget,
@@ -71,53 +83,73 @@ def main() -> int:
     print(f"target {target}, draft model {drafter} {list(source.expansion)}, budget {args.budget}, "
           f"datastore {args.datastore}", flush=True)
     rows = []
+    configs = [("plain", plain), *engines.items()]
+    for _, eng in configs:  # warm-up, not measured: first-call costs (the planner's profile, allocations)
+        eng.generate(load_prompts(args.sets[0], 1), SamplingParams(max_tokens=8))
     for dataset in args.sets:
         for B in args.batch_sizes:
             prompts = load_prompts(dataset, B * args.prompts_per_row)
-            results = {}
-            for name, eng in [("plain", plain), *engines.items()]:
-                eng.config = EngineConfig(**{**config.__dict__, "max_running": B})
-                eng.metrics.draft_seconds = eng.metrics.forward_seconds = 0.0
-                eng.metrics.accepted_by_source.clear()
-                gate = eng.drafting.deferral if eng.drafting is not None else None
-                if gate is not None:
-                    gate.asked = gate.deferred = 0
-                t0 = time.perf_counter()
-                outs = eng.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
-                s = summarize(outs, time.perf_counter() - t0)
-                m = eng.metrics
-                s["draft_share"] = round(m.draft_seconds / max(m.draft_seconds + m.forward_seconds, 1e-9), 3)
-                s["accepted_by_source"] = dict(m.accepted_by_source)
-                # hybrid: the share of steps the draft model drafted in (the deferral's choice)
-                s["model_asked"] = (round(gate.asked / (gate.asked + gate.deferred), 3)
-                                    if gate is not None and gate.asked + gate.deferred else None)
-                s["ids"] = [o.token_ids for o in outs]
-                results[name] = s
-            base = results["plain"]
-            for name in ("plain", *engines):
-                s = results[name]
-                row = {"target": target, "draft_model": drafter, "expansion": list(source.expansion), "set": dataset,
-                       "batch": B, "prompts": len(prompts), "sources": name,
-                       **{k: v for k, v in s.items() if k != "ids"},
-                       "speedup": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
-                       "identical": s["ids"] == base["ids"]}
-                rows.append(row)
-                rec.add(**row)
-                print(f"{dataset:9s} B={B:<3d} {name:9s} {s['tokens_per_s']:7.2f} tok/s ({row['speedup']:.2f}x) "
-                      f"MAT {s['mat']}  accepted/step {s['accepted_per_step']}  drafting {s['draft_share']:.0%}  "
-                      f"model asked {s['model_asked']}  "
-                      f"identical={row['identical']}  {s['accepted_by_source']}", flush=True)
+            rounds = []
+            for r in range(args.rounds):
+                # each round starts one configuration later, so that none always runs first or last
+                order = configs[r % len(configs):] + configs[:r % len(configs)]
+                results = {name: run(eng, B, config, prompts, args.max_tokens) for name, eng in order}
+                rounds.append(results)
+                base = results["plain"]
+                for name, _ in configs:
+                    s = results[name]
+                    row = {"target": target, "draft_model": drafter, "expansion": list(source.expansion),
+                           "set": dataset, "batch": B, "prompts": len(prompts), "round": r, "sources": name,
+                           **{k: v for k, v in s.items() if k != "ids"},
+                           "speedup": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
+                           "identical": s["ids"] == base["ids"]}
+                    rows.append(row)
+                    rec.add(**row)
+                    print(f"{dataset:9s} B={B:<3d} round {r} {name:9s} {s['tokens_per_s']:7.2f} tok/s "
+                          f"({row['speedup']:.2f}x) MAT {s['mat']}  accepted/step {s['accepted_per_step']}  "
+                          f"drafting {s['draft_share']:.0%}  model asked {s['model_asked']}  "
+                          f"identical={row['identical']}  {s['accepted_by_source']}", flush=True)
+            ratios = [x["hybrid"]["tokens_per_s"] / max(x["retrieval"]["tokens_per_s"], x["model"]["tokens_per_s"])
+                      for x in rounds]
+            summary = {"set": dataset, "batch": B, "rounds": len(rounds),
+                       **{f"{name}_tokens_per_s": median([x[name]["tokens_per_s"] for x in rounds]) for name, _ in configs},
+                       "hybrid_over_better_single": [round(v, 3) for v in ratios],
+                       "hybrid_over_better_single_median": round(median(ratios), 3)}
+            rec.add(**summary)
+            print(f"{dataset:9s} B={B:<3d} hybrid tok/s / better single, per round: "
+                  f"{', '.join(f'{v:.2f}x' for v in ratios)} (median {median(ratios):.2f}x)", flush=True)
     print(table(rows))
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
 
 
+
+def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens: int) -> dict:
+    """One configuration over the prompts at batch size B: speed, MAT, drafting share, the deferral's asks."""
+    eng.config = EngineConfig(**{**config.__dict__, "max_running": B})
+    eng.metrics.draft_seconds = eng.metrics.forward_seconds = 0.0
+    eng.metrics.accepted_by_source.clear()
+    gate = eng.drafting.deferral if eng.drafting is not None else None
+    if gate is not None:
+        gate.asked = gate.deferred = 0
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    s = summarize(outs, time.perf_counter() - t0)
+    m = eng.metrics
+    s["draft_share"] = round(m.draft_seconds / max(m.draft_seconds + m.forward_seconds, 1e-9), 3)
+    s["accepted_by_source"] = dict(m.accepted_by_source)
+    # hybrid: the share of steps the draft model drafted in (the deferral's choice)
+    s["model_asked"] = (round(gate.asked / (gate.asked + gate.deferred), 3)
+                        if gate is not None and gate.asked + gate.deferred else None)
+    s["ids"] = [o.token_ids for o in outs]
+    return s
+
 def table(rows: list[dict]) -> str:
     """Markdown: per set and batch size, each source set's tokens/s and MAT side by side."""
-    lines = ["| set | batch | sources | tok/s | vs plain | MAT | accepted/step | drafting share | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | batch | round | sources | tok/s | vs plain | MAT | accepted/step | drafting share | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['batch']} | {r['sources']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+        lines.append(f"| {r['set']} | {r['batch']} | {r['round']} | {r['sources']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['mat']} | {r['accepted_per_step']} | {r['draft_share']:.0%} | {r['identical']} |")
     return "\n".join(lines)
 
