@@ -259,7 +259,7 @@ def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: boo
     on first use and again when the cached one is unreadable or was measured beside a busy process
     (unless `busy_ok`: pipeline stages measure side by side, each beside the others). With
     `time_rows` (see refine), a new plan is refined in whole forward passes."""
-    from sssd.serving.profile import Conditions, _noisy_share, cpu_model
+    from sssd.serving.profile import Conditions, _noisy_share, cpu_model, store
 
     shapes = sorted({tuple(m.weight.shape) for m in linears(model)})
     ident = dict(identity, shapes=shapes, machine=platform.machine(), cpu=cpu_model(), plan_version=PLAN_VERSION)
@@ -281,10 +281,7 @@ def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: boo
         if time_rows is not None:
             refine(model, plan, time_rows, log=log)
     plan.meta = {"identity": ident, "conditions": cond.record}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(plan.to_dict()))
-    tmp.replace(path)
+    store(path, plan.to_dict())
     return plan
 
 

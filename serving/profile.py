@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -233,8 +234,26 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
     if log and other is not None and other > _noisy_share():
         log(f"WARNING: other processes used {other:.0%} of the CPU while profiling: the planner's costs may be "
             f"wrong. This profile will be measured again at the next start; run on a quiet machine.")
+    store(path, prof.to_dict())
+    return prof
+
+
+def store(path, data: dict) -> None:
+    """Writes a cached measurement (a forward profile, a linear plan) atomically, then drops the
+    cached measurements of model folders that no longer exist (deleted models, temporary ones):
+    no backend can ask for them again, and they would pile up."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(prof.to_dict()))
+    tmp.write_text(json.dumps(data))
     tmp.replace(path)
-    return prof
+    for f in path.parent.glob("*.json"):
+        if not f.name.startswith(("forward-", "linear-")):
+            continue
+        try:
+            meta = json.loads(f.read_text()).get("meta") or {}
+            model = meta.get("model") or (meta.get("identity") or {}).get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(model, str) and os.path.isabs(model) and not os.path.exists(model):
+            f.unlink(missing_ok=True)

@@ -32,6 +32,34 @@ def test_fixed_budget_needs_no_profile():
         BudgetPlanner(None, {4: 1.5})
 
 
+def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from sssd.serving.profile import store
+
+    monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "1")
+    config = EngineConfig(max_running=2, max_model_len=200, budget=None)
+    gone, kept = tiny_model(tmp_path / "gone", "llama"), tiny_model(tmp_path / "kept", "llama")
+    LLMEngine(gone, datastore=None, config=config).planner.profile
+    profiles = tmp_path / "cache" / "profiles"
+    of_gone = sorted(p.name for p in profiles.glob("*.json"))
+    assert any(n.startswith("forward-") for n in of_gone)
+    (profiles / "selfspec-x.json").write_text("{}")                       # not a per-model measurement
+    (profiles / "forward-relative.json").write_text(json.dumps({"meta": {"model": "models/m"}}))
+    (profiles / "forward-unreadable.json").write_text("{not json")
+    shutil.rmtree(gone)
+    LLMEngine(kept, datastore=None, config=config).planner.profile   # writes its own: the cache is tidied
+    left = sorted(p.name for p in profiles.glob("*.json"))
+    assert not set(of_gone) & set(left)
+    assert {"selfspec-x.json", "forward-relative.json", "forward-unreadable.json"} <= set(left)
+    assert any(n.startswith("forward-") and n not in of_gone and "relative" not in n and "unreadable" not in n
+               for n in left)
+    store(profiles / "forward-x.json", {"meta": {"model": str(kept)}})
+    assert (profiles / "forward-x.json").is_file()
+
+
 def test_engine_profiles_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "1")  # trust it even if the machine is busy now
