@@ -733,6 +733,7 @@ class LLMEngine:
         path_sources = np.split(batch.sources[pb, pi], np.cumsum(np.bincount(pb, minlength=B))[:-1])
         names = self.drafting.source_names if self.drafting is not None else {}
         emitted: dict[int, list[int]] = {}
+        verified: dict[int, tuple[list[int], int | None]] = {}  # greedy rows: the target's tokens (sssd.deferral)
         accepted = []
         for b, req in enumerate(reqs):
             if b in errors:
@@ -753,7 +754,10 @@ class LLMEngine:
                         name = names.get(src_tag, "external")
                         st.accepted_by_source[name] = st.accepted_by_source.get(name, 0) + 1
                         self.metrics.accepted_by_source[name] = self.metrics.accepted_by_source.get(name, 0) + 1
-                emitted[req.id] = self._emit(req, path_tokens[b].tolist() + [int(bonus[b])])
+                toks = path_tokens[b].tolist() + [int(bonus[b])]
+                emitted[req.id] = self._emit(req, toks)
+                if plan.greedy[b]:
+                    verified[req.id] = (toks, len(emitted[req.id]) if req.finished else None)
                 accepted.append(a)
             except Exception as e:  # noqa: BLE001 - this request's failure is this request's alone
                 log.exception("request %s failed in its decode step", req.id)
@@ -781,7 +785,7 @@ class LLMEngine:
         self.planner.observe(B, plan.budget, seconds, n_emitted)
         if self.drafting is not None and plan.budget:  # what the deferral of costly sources measures
             self.drafting.deferral.observe_step(B, t_forward, {r.id: a for r, a in zip(reqs, accepted)},
-                                                seconds, n_emitted)
+                                                seconds, n_emitted, verified)
         if self.mode_chooser is not None and plan.budget:
             self.mode_chooser.observe(B, plan.mode, seconds, n_emitted)
         if self.metrics.timeline is not None:

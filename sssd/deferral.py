@@ -31,6 +31,14 @@ steps: "rule" (the above), "always" (the source drafts every step: the hybrid in
 too, in blocks of the same length: keyed together, each would measure the other's arms). The
 engine begins each step's choice (`begin_step`) and reports the step (`observe_step`); a
 pipeline driven without them follows the rule.
+
+Arms compared across different steps compare different text too, and on GSM8K at batch 4 that
+noise (tokens per step from 1 to 9 a row) is as large as the arms' difference: the choice drifted
+to retrieval alone, 0.80-0.93x the draft model alone. So every step in which the source drafted
+also measures "never" exactly, on the same step: retrieval's own tree for each request is built
+anyway (its promise), and under greedy verification the tokens it would have got are those of
+its longest path along the verified tokens (`accepted_along`), in the step's time without the
+source's drafting seconds. "never" is measured on the same steps as the arm that ran.
 """
 
 from __future__ import annotations
@@ -51,6 +59,20 @@ DECAY = 0.97
 ARMS = ("rule", "always", "never")
 
 
+def accepted_along(tokens: np.ndarray, parents: np.ndarray, verified: Sequence[int]) -> int:
+    """How many of `verified` (the target's tokens of a step: the accepted ones, then the bonus)
+    a draft tree (its nodes' tokens and parents, -1 for the top level) would have had accepted
+    under greedy verification: the depth of its longest root path along them (siblings with
+    one token, as a tree merged from several sources may hold, are all followed)."""
+    depth, nodes = 0, np.array([-1])
+    while depth < len(verified):
+        nodes = np.flatnonzero(np.isin(parents, nodes) & (tokens == verified[depth]))
+        if not nodes.size:
+            break
+        depth += 1
+    return depth
+
+
 class Deferral:
     """The measured terms of the deferral rule (module docstring), kept by a DraftPipeline."""
 
@@ -59,6 +81,9 @@ class Deferral:
         self.got, self.promised = PROMISE_PRIOR, PROMISE_PRIOR  # retrieval-only steps: accepted / promised
         self.sat_out: dict[int, int] = {}                    # source index -> steps sat out in a row
         self._pending: dict[int, float] = {}                 # request id -> promise of its retrieval-only tree
+        self._alone: dict[int, tuple] = {}                   # request id -> retrieval's own tree, the source drafting
+        self._source_seconds = 0.0                           # the deferring sources' drafting time this step
+        self.counterfactual_steps = 0                        # steps that measured "never" beside the arm run
         self.asked = self.deferred = 0
         #: whether steps follow the rule, or ask the source always, or never (measured per batch size)
         self.policy = MeasuredChoice(ARMS)
@@ -102,19 +127,40 @@ class Deferral:
         self.deferred += not ask
         return ask
 
-    def drafted(self, requests: Sequence[Any], promised: np.ndarray | None, retrieval_only: bool) -> None:
-        """What a step's trees promised, to compare with what they get (retrieval-only trees only)."""
+    def drafted(self, requests: Sequence[Any], promised: np.ndarray | None, retrieval_only: bool,
+                alone: Any = None, source_seconds: float = 0.0) -> None:
+        """What a step's trees promised, to compare with what they get (retrieval-only trees only);
+        where a deferring source drafted beside retrieval (not `retrieval_only`), retrieval's own
+        trees (`alone`, a DraftBatch) and the source's drafting seconds, for the step's
+        counterfactual "never"."""
         self._pending = ({r.request_id: float(promised[k]) for k, r in enumerate(requests) if r.budget > 0}
                          if retrieval_only and promised is not None else {})
+        self._alone, self._source_seconds = {}, float(source_seconds)
+        if not retrieval_only and alone is not None:
+            o = alone.offsets
+            self._alone = {r.request_id: (alone.tokens[o[k]:o[k + 1]], alone.parents[o[k]:o[k + 1]])
+                           for k, r in enumerate(requests) if r.budget > 0}
 
     def observe_step(self, batch: int, forward_seconds: float, accepted: dict[int, int],
-                     seconds: float | None = None, tokens: int = 0) -> None:
+                     seconds: float | None = None, tokens: int = 0,
+                     verified: dict[int, tuple[Sequence[int], int | None]] | None = None) -> None:
         """After a step: the target's forward time at this batch size, per request the draft tokens
         accepted (for the promise ratio, where the step's trees were retrieval's alone), and the
-        whole step's seconds and emitted tokens (for the arm begun, if any)."""
+        whole step's seconds and emitted tokens (for the arm begun, if any). `verified`: per
+        request of a greedy step, the target's tokens (accepted, then the bonus) and, where the
+        request finished in it, how many it emitted (else None): the counterfactual "never"
+        (module docstring) needs every request's."""
         if self.arm is not None and seconds is not None:
             self.policy.observe(batch, self.arm, seconds, tokens, self._mode)
-        self.arm = None
+            if self._alone and verified is not None and all(rid in verified for rid in accepted):
+                got = 0
+                for rid, (toks, cap) in verified.items():
+                    tree = self._alone.get(rid)
+                    would = 1 + (accepted_along(tree[0], tree[1], toks) if tree is not None else 0)
+                    got += would if cap is None else min(would, cap)
+                self.policy.observe_counterfactual(batch, "never", seconds - self._source_seconds, got, self._mode)
+                self.counterfactual_steps += 1
+        self.arm, self._alone = None, {}
         key = bucket(batch)
         old = self.forward.get(key)
         self.forward[key] = forward_seconds if old is None else 0.8 * old + 0.2 * forward_seconds

@@ -6,7 +6,9 @@ retrieval (sssd.deferral). Per batch-size bucket (powers of two) blocks of `bloc
 run one arm; the first blocks measure each arm in order (the first arm is the known
 default), then the fastest runs, and every `probe_every` blocks the arm measured longest
 ago is measured again (machines and workloads change). Smoothed totals per arm, never a
-constant.
+constant. Where a step can tell exactly what another arm would have got in it (the
+counterfactual: sssd.deferral), that arm is measured on the same steps too, a paired
+comparison without the noise of comparing different steps.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class MeasuredChoice:
         st[1] -= 1
         s = self._stats.setdefault(key, {}).setdefault(arm, [0.0, 0.0])
         s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
+
+    def observe_counterfactual(self, batch: int, arm: str, seconds: float, tokens: float,
+                               scope: str | None = None) -> None:
+        """What a step run by another arm would have taken with `arm` instead, worked out exactly
+        from the step (sssd.deferral: retrieval's own trees against the verified tokens). Measures
+        `arm` beside the arm that ran, on the same steps, without running it or ending a block."""
+        if arm in self.arms and seconds > 0:
+            s = self._stats.setdefault(_key(batch, scope), {}).setdefault(arm, [0.0, 0.0])
+            s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
 
     def rates(self) -> dict:
         """Per bucket (a (scope, bucket) pair for scoped steps), each measured arm's smoothed

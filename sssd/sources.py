@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -537,6 +538,7 @@ class DraftPipeline:
         external = None
         per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
         alone = promised = None  # retrieval's own trees, and what each promises (for deferring sources)
+        source_seconds = 0.0     # the deferring sources' drafting time
         if self.retrieval and any(s.defers_to_retrieval for s in self.external):
             alone = draft_with_entries(self.drafter, self.entries, ids, budgets, None)
             promised = np.zeros(len(requests))
@@ -553,7 +555,10 @@ class DraftPipeline:
                 if not asked:
                     continue
                 try:
+                    t0 = time.perf_counter()
                     got = list(s.propose(asked))
+                    if s.defers_to_retrieval:
+                        source_seconds += time.perf_counter() - t0
                     if len(got) != len(asked):
                         raise ValueError(f"returned {len(got)} proposals for {len(asked)} requests")
                 except Exception as e:  # noqa: BLE001
@@ -570,7 +575,8 @@ class DraftPipeline:
                                     s.name, r.request_id, e)
             external = _concat_candidates(per_request)
         if verified_next:
-            self.deferral.drafted(requests, promised, retrieval_only=not any(per_request))
+            self.deferral.drafted(requests, promised, retrieval_only=not any(per_request), alone=alone,
+                                  source_seconds=source_seconds)
         if alone is not None and not any(per_request):
             return alone, per_request  # nothing to merge beside retrieval's own trees
         return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request

@@ -12,6 +12,7 @@ refused at start, and one that fails while running costs only its drafts.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -184,6 +185,22 @@ def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_
     assert eng.metrics.accepted_by_source.get(f"model:{near_llama.name}", 0) > 0
 
 
+def test_steps_a_deferring_model_drafts_in_measure_retrieval_alone_on_the_same_steps(llama, near_llama,
+                                                                                      plain_outputs):
+    from sssd.deferral import ARMS
+    from sssd.measured_choice import MeasuredChoice
+
+    eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256)],
+                 budget=6, max_running=3)
+    gate = eng.drafting.deferral
+    gate.policy = MeasuredChoice(ARMS, fixed="always")
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert gate.counterfactual_steps > 0 and gate.asked > 0
+    rates = gate.policy.rates()
+    assert all(set(r) == {"always", "never"} for r in rates.values())  # never measured without running
+
+
 class Deferring(DraftSource):
     """A costly source expecting 2 accepted tokens at a given cost (in target passes)."""
 
@@ -321,6 +338,78 @@ def test_the_engine_s_measured_arm_overrides_the_rule_for_its_step():
         assert gate.begin_step(2) == arm
         gate.observe_step(2, 0.1, {}, seconds=seconds, tokens=4)
     assert gate.begin_step(2) == "always"  # the fastest of the three, measured
+
+
+def _longest_path_along(tokens, parents, verified):
+    """Brute force: every node's root path, the longest that is a prefix of `verified`."""
+    best = 0
+    for node in range(len(tokens)):
+        path, n = [], node
+        while n >= 0:
+            path.append(int(tokens[n]))
+            n = int(parents[n])
+        path.reverse()
+        if path == list(verified[:len(path)]):
+            best = max(best, len(path))
+    return best
+
+
+def test_accepted_along_is_the_longest_root_path_along_the_verified_tokens():
+    from sssd.deferral import accepted_along
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(0, 14))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], dtype=np.int32)
+        tokens = rng.integers(0, 3, n).astype(np.int64)
+        verified = rng.integers(0, 3, int(rng.integers(1, 7))).tolist()
+        assert accepted_along(tokens, parents, verified) == _longest_path_along(tokens, parents, verified)
+
+
+class Slow(Deferring):
+    """A deferring source that takes 50 ms to draft."""
+
+    def propose(self, requests):
+        time.sleep(0.05)
+        return super().propose(requests)
+
+
+def test_a_step_the_source_drafted_in_measures_never_on_the_same_step():
+    """Retrieval's own trees are built anyway: against the verified tokens of a greedy step they
+    say exactly what "never" would have got, in the step's time without the source's."""
+    from sssd.deferral import ARMS
+    from sssd.measured_choice import MeasuredChoice
+
+    src = Slow(cost=0.0)
+    pipe, reqs = _two_request_pipe(src)
+    gate = pipe.deferral
+    gate.policy = MeasuredChoice(ARMS, fixed="always")
+    assert gate.begin_step(2) == "always"
+    pipe.draft_with_proposals(reqs)
+    assert src.asked == [1, 2]
+    alone = dict(gate._alone)
+    assert set(alone) == {1, 2} and len(alone[1][0]) > 0  # request 1 continues a datastore phrase
+    path = [8, 9, 10, 77]  # the target's tokens: retrieval's phrase, then off it
+    verified = {1: (path, None), 2: ([3, 4], None)}
+    want = sum(1 + _longest_path_along(*alone[rid], toks) for rid, (toks, _) in verified.items())
+    assert want >= 4  # retrieval would have had 8, 9, 10 accepted
+    gate.observe_step(2, 0.1, {1: 0, 2: 0}, seconds=1.0, tokens=2, verified=verified)
+    seconds, tokens = gate.policy._stats[2]["never"]
+    assert tokens == want and 0.9 < seconds < 0.96  # the source's 50 ms taken out
+    assert gate.policy._stats[2]["always"] == [1.0, 2.0] and gate.counterfactual_steps == 1
+    # a request that finished emits no more than it did; a sampled request (not verified) or a step
+    # where retrieval drafted alone measures nothing
+    gate.begin_step(2)
+    pipe.draft_with_proposals(reqs)
+    gate.observe_step(2, 0.1, {1: 0, 2: 0}, seconds=1.0, tokens=2, verified={1: (path, 2), 2: ([3], None)})
+    assert gate.policy._stats[2]["never"][1] == pytest.approx(0.9 * want + 2 + 1)
+    for arm, verified in (("always", {1: (path, None)}), ("never", {1: (path, None), 2: ([3], None)})):
+        gate.policy = MeasuredChoice(ARMS, fixed=arm)
+        gate.begin_step(2)
+        pipe.draft_with_proposals(reqs)
+        gate.observe_step(2, 0.1, {1: 0, 2: 0}, seconds=1.0, tokens=2, verified=verified)
+        assert "never" not in gate.policy._stats[2] or arm == "never"
+    assert gate.counterfactual_steps == 2
 
 
 def test_trees_grown_ahead_ask_a_deferring_source_only_within_its_lag():
