@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts, summarize  # noqa: E402
 from common import Recorder, machine  # noqa: E402
 
+from sssd.measured_choice import bucket  # noqa: E402
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from sssd.serving.model_drafter import DEFAULT_EXPANSION, ModelDrafter  # noqa: E402
 from sssd.serving.params import SamplingParams  # noqa: E402
@@ -108,7 +109,8 @@ def main() -> int:
                     print(f"{dataset:9s} B={B:<3d} round {r} {name:9s} {s['tokens_per_s']:7.2f} tok/s "
                           f"({row['speedup']:.2f}x) MAT {s['mat']}  accepted/step {s['accepted_per_step']}  "
                           f"drafting {s['draft_share']:.0%}  model asked {s['model_asked']}  "
-                          f"identical={row['identical']}  {s['accepted_by_source']}", flush=True)
+                          f"identical={row['identical']}  {s['accepted_by_source']}"
+                          + (f"  arms {s['arm_rates']}" if s.get("arm_rates") else ""), flush=True)
             ratios = [x["hybrid"]["tokens_per_s"] / max(x["retrieval"]["tokens_per_s"], x["model"]["tokens_per_s"])
                       for x in rounds]
             summary = {"set": dataset, "batch": B, "rounds": len(rounds),
@@ -141,6 +143,8 @@ def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens:
     # hybrid: the share of steps the draft model drafted in (the deferral's choice)
     s["model_asked"] = (round(gate.asked / (gate.asked + gate.deferred), 3)
                         if gate is not None and gate.asked + gate.deferred else None)
+    if gate is not None:  # the deferral's measured tokens/s per arm at this batch size (serial steps)
+        s["arm_rates"] = {a: round(r, 3) for a, r in gate.policy.rates().get(("serial", bucket(B)), {}).items()}
     s["ids"] = [o.token_ids for o in outs]
     return s
 
