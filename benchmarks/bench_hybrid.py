@@ -125,7 +125,6 @@ def main() -> int:
     return 0
 
 
-
 def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens: int) -> dict:
     """One configuration over the prompts at batch size B: speed, MAT, drafting share, the deferral's asks."""
     eng.config = EngineConfig(**{**config.__dict__, "max_running": B})
@@ -147,6 +146,7 @@ def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens:
         s["arm_rates"] = {a: round(r, 3) for a, r in gate.policy.rates().get(("serial", bucket(B)), {}).items()}
     s["ids"] = [o.token_ids for o in outs]
     return s
+
 
 def table(rows: list[dict]) -> str:
     """Markdown: per set and batch size, each source set's tokens/s and MAT side by side."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sssd.files import write_atomic
 from sssd.paths import cache_dir
 
 #: Batch rows and tokens per row at which the forward time is profiled. Small token counts
@@ -244,9 +245,7 @@ def store(path, data: dict) -> None:
     no backend can ask for them again, and they would pile up."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data).encode())
     for f in path.parent.glob("*.json"):
         if not f.name.startswith(("forward-", "linear-")):
             continue

@@ -75,8 +75,7 @@ class MeasuredChoice:
         key = _key(batch, scope)
         st = self._state.setdefault(key, [arm, self.block, 0])
         st[1] -= 1
-        s = self._stats.setdefault(key, {}).setdefault(arm, [0.0, 0.0])
-        s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
+        self._add(key, arm, seconds, tokens)
 
     def observe_counterfactual(self, batch: int, arm: str, seconds: float, tokens: float,
                                scope: str | None = None) -> None:
@@ -84,8 +83,11 @@ class MeasuredChoice:
         from the step (sssd.deferral: retrieval's own trees against the verified tokens). Measures
         `arm` beside the arm that ran, on the same steps, without running it or ending a block."""
         if arm in self.arms and seconds > 0:
-            s = self._stats.setdefault(_key(batch, scope), {}).setdefault(arm, [0.0, 0.0])
-            s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
+            self._add(_key(batch, scope), arm, seconds, tokens)
+
+    def _add(self, key, arm: str, seconds: float, tokens: float) -> None:
+        s = self._stats.setdefault(key, {}).setdefault(arm, [0.0, 0.0])
+        s[0], s[1] = 0.9 * s[0] + seconds, 0.9 * s[1] + tokens
 
     def rates(self) -> dict:
         """Per bucket (a (scope, bucket) pair for scoped steps), each measured arm's smoothed
