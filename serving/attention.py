@@ -12,22 +12,54 @@ So no cache object crosses the model's forward signature (whose cache
 argument transformers renamed from ``past_key_values`` to ``cache``): the
 forward pass carries a `PoolStep` as a keyword argument, which transformers
 passes unchanged from the model's forward to every attention call.
+
+Grouped-query heads (several query heads per K/V head) read their shared
+K/V in place. On a CPU, torch's `enable_gqa` does that. On CUDA, torch's
+fused kernels that take an arbitrary mask (memory-efficient attention) do
+not take `enable_gqa`, and the one that does falls back to copying K/V per
+head; there each K/V head's query heads are folded into one head of G x T
+queries (G query heads per K/V head), the mask repeated G times along the
+queries, built once per pass as an additive bias. SSSD_CUDA_ATTENTION=gqa
+uses `enable_gqa` on CUDA too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 ATTENTION = "sssd_pool"
 STEP_KWARG = "sssd_step"
+#: How grouped-query attention runs on CUDA devices: "folded" or "gqa" (see above).
+CUDA_MODES = ("folded", "gqa")
+
+
+def cuda_mode() -> str:
+    mode = os.environ.get("SSSD_CUDA_ATTENTION", "folded").strip().lower()
+    if mode not in CUDA_MODES:
+        raise ValueError(f"SSSD_CUDA_ATTENTION must be one of {', '.join(CUDA_MODES)}, got {mode!r}")
+    return mode
 
 
 class PoolStep:
-    """One forward pass's view of the pool: which slots, where new K/V go, how far to read."""
+    """One forward pass's view of the pool: which slots, where new K/V go, how far to read.
 
-    def __init__(self, pool, rows: slice, positions: torch.Tensor, length: int):
+    `fold` (default: on CUDA, unless SSSD_CUDA_ATTENTION=gqa) runs grouped-query heads folded
+    along the queries (folded_attention)."""
+
+    def __init__(self, pool, rows: slice, positions: torch.Tensor, length: int, fold: bool | None = None):
         self.pool, self.rows, self.length = pool, rows, length
         self.index = pool.flat_index(rows, positions)  # the same for every layer
+        self.fold = (pool.kv.device.type == "cuda" and cuda_mode() == "folded") if fold is None else fold
+        self._biases: dict = {}  # (mask id, groups, dtype) -> the folded additive mask, shared by the layers
+
+    def folded_bias(self, mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask [B, 1, G x T, S] of the folded queries, built once per pass and mask."""
+        key = (id(mask), groups, dtype)
+        if key not in self._biases:
+            self._biases[key] = (mask, fold_mask(mask, groups, dtype))  # the mask held: its id stays unique
+        return self._biases[key][1]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores this step's keys/values [B, H_kv, T, D]; returns the slots' K/V [B, H_kv, S, D]."""
@@ -41,6 +73,30 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
         return x
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def fold_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask [B, 1, T, S] (True = visible) as the additive bias [B, 1, G x T, S] of queries
+    folded G to a head: 0 where visible, -inf elsewhere. Its rows are padded to a multiple of 16
+    elements in memory (the fused kernel's alignment), so no kernel copies it again."""
+    B, _, T, S = mask.shape
+    padded = -(-S // 16) * 16
+    out = torch.empty((B, 1, groups * T, padded), dtype=dtype, device=mask.device)[..., :S]
+    out.view(B, 1, groups, T, S).copy_(
+        torch.where(mask, 0.0, float("-inf")).to(dtype)[:, :, None].expand(B, 1, groups, T, S))
+    return out
+
+
+def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """Grouped-query attention with each K/V head's G query heads folded into one head of G x T
+    queries: query [B, H, T, D], key/value [B, H_kv, S, D], bias from fold_mask; returns
+    [B, H, T, D]. The same numbers as attending per query head (each query row is computed alone)."""
+    B, H, T, D = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(B, kv_heads, (H // kv_heads) * T, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
+    return out.view(B, H, T, D)
 
 
 def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -61,6 +117,9 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v)
+    elif step.fold and attention_mask is not None:
+        bias = step.folded_bias(attention_mask, groups, query.dtype)
+        out = folded_attention(query, k, v, bias, scaling)
     else:
         # grouped-query heads read their shared K/V in place: copying them out per head (the expand above)
         # cost 5-16x the attention itself at long contexts on this CPU, with bit-identical results

@@ -62,6 +62,7 @@ class ModelShape:
 
 HARDWARE = {
     "h100": Hardware("NVIDIA H100 SXM", 989e12, 3.35e12),
+    "h200": Hardware("NVIDIA H200 SXM", 989e12, 4.8e12),
     "a100": Hardware("NVIDIA A100 80GB SXM", 312e12, 2.04e12),
     "l4": Hardware("NVIDIA L4", 121e12, 0.30e12),
     "ascend-910b4": Hardware("Huawei Ascend 910B4 (the SSSD paper's device)", 280e12, 0.8e12),
@@ -79,27 +80,50 @@ PAPER = {"batch 1": "2.05-2.61x", "batch 64": "1.37-1.80x",
          "free budget": "b x s_q ~ 435 (s_q = 54 at batch 8)"}
 
 
+def operators(m: ModelShape, batch: int, s_q: int, context: int) -> list[tuple[float, float, int]]:
+    """The operators of one forward pass as (FLOPs, bytes moved, how many times it runs)."""
+    w = m.dtype_bytes
+    tokens = batch * s_q
+    h, hq, hkv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    ops = [(2 * tokens * h * out_dim, w * (h * out_dim + tokens * (h + out_dim)), m.layers)
+           for out_dim in (hq, hkv, hkv)]  # Q, K, V projections
+    ops.append((2 * tokens * hq * h, w * (hq * h + tokens * (hq + h)), m.layers))  # O projection
+    ops.append((2 * tokens * h * m.intermediate, w * (h * m.intermediate + tokens * (h + m.intermediate)),
+                3 * m.layers))  # gate, up, down
+    kv = context + s_q
+    ops.append((4 * batch * m.heads * s_q * kv * m.head_dim,  # attention: QK^T and AV
+                w * (2 * batch * m.kv_heads * kv * m.head_dim + 2 * tokens * hq), m.layers))
+    ops.append((2 * tokens * h * m.vocab, w * (h * m.vocab + tokens * h), 1))  # output head
+    return ops
+
+
 def step_seconds(m: ModelShape, hw: Hardware, batch: int, s_q: int, context: int, efficiency: float = 1.0) -> float:
     """Roofline time of one forward pass: batch rows of s_q query tokens over `context` cached ones."""
     peak = hw.peak_flops * efficiency
-    w = m.dtype_bytes
-    tokens = batch * s_q
+    return sum(n * max(f / peak, io / hw.bandwidth) for f, io, n in operators(m, batch, s_q, context)) + hw.overhead_s
 
-    def op(flops: float, io: float) -> float:
-        return max(flops / peak, io / hw.bandwidth)
 
-    h, hq, hkv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    per_layer = 0.0
-    for out_dim in (hq, hkv, hkv):  # Q, K, V projections
-        per_layer += op(2 * tokens * h * out_dim, w * (h * out_dim + tokens * (h + out_dim)))
-    per_layer += op(2 * tokens * hq * h, w * (hq * h + tokens * (hq + h)))  # O projection
-    for _ in range(3):  # gate, up, down
-        per_layer += op(2 * tokens * h * m.intermediate, w * (h * m.intermediate + tokens * (h + m.intermediate)))
-    kv = context + s_q
-    per_layer += op(4 * batch * m.heads * s_q * kv * m.head_dim,  # attention: QK^T and AV
-                    w * (2 * batch * m.kv_heads * kv * m.head_dim + 2 * tokens * hq))
-    head = op(2 * tokens * h * m.vocab, w * (h * m.vocab + tokens * h))
-    return m.layers * per_layer + head + hw.overhead_s
+def fit(m: ModelShape, hw: Hardware, measured: ForwardProfile) -> tuple[Hardware, float]:
+    """The roofline corrected to a measured profile: the fraction of peak FLOP/s, the bandwidth
+    and the per-pass overhead that make it closest to the measurement (the smallest worst-case
+    log ratio over the measured points, by grid search). Returns (hardware, efficiency)."""
+    import numpy as np
+
+    pts = [(r, t) for r in measured.rows for t in measured.tokens]
+    want = np.array([measured.time(r, t) for r, t in pts])
+    ops = [operators(m, r, t, measured.context) for r, t in pts]
+    flops = np.array([[f * n for f, _, n in o] for o in ops])   # [points, operators]
+    io = np.array([[b * n for _, b, n in o] for o in ops])
+    best = (np.inf, hw, 1.0)
+    for eff in np.geomspace(0.05, 1.0, 40):
+        t_f = flops / (hw.peak_flops * eff)
+        for bw in np.linspace(0.3, 1.0, 15) * hw.bandwidth:
+            base = np.maximum(t_f, io / bw).sum(axis=1)
+            for over in np.concatenate([[0.0], np.geomspace(1e-5, 0.1, 60)]):
+                err = np.abs(np.log((base + over) / want)).max()
+                if err < best[0]:
+                    best = (err, Hardware(f"{hw.name}, fitted", hw.peak_flops, float(bw), float(over)), float(eff))
+    return best[1], best[2]
 
 
 def roofline_profile(m: ModelShape, hw: Hardware, context: int = 512, efficiency: float = 1.0,

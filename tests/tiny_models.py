@@ -9,11 +9,14 @@ import torch
 WORDS = [f"w{i}" for i in range(90)]
 
 
-def tokenizer_files(folder: Path) -> None:
+def tokenizer_files(folder: Path, vocab_size: int | None = None) -> None:
+    """A word-level tokenizer: <pad> 0, <eos> 1, <bos> 2, then words w0, w1, ... (WORDS, or as
+    many as fill `vocab_size`)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    words = WORDS if vocab_size is None else [f"w{i}" for i in range(vocab_size - 3)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     from tokenizers import decoders

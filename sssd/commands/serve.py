@@ -152,8 +152,10 @@ def validate(args: argparse.Namespace) -> None:
             load_drafter(Path(args.drafter).expanduser())  # a bad file refuses to serve (the fingerprint: later)
         except ValueError as e:
             raise ValueError(f"--drafter {e}") from None
-    if args.device and not (args.device == "cpu" or args.device.split(":")[0] in ("cuda", "mps", "xpu")):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or xpu, got {args.device!r}")
+    if args.device:  # before anything loads: a one-line error naming the device and what this machine has
+        from sssd.serving.devices import resolve
+
+        resolve(args.device)  # DeviceError: "device 'cuda': this torch ... is a build without CUDA; ..."
     if getattr(args, "enable_admin", False) and not args.api_key and not _is_loopback(args.host):
         raise ValueError(f"--enable-admin on {args.host} needs --api-key: the admin endpoints open paths on this "
                          f"machine's disk (SECURITY.md)")

@@ -1,0 +1,428 @@
+"""The prepared device run: is the verifier lossless on a GPU, and what does verification cost there?
+
+One command on a machine with a GPU (benchmarks/gpu_check.sh builds and installs SSSD first):
+
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json
+
+1. lossless: small models of real architectures (SmolLM2-135M's Llama shape, Qwen2.5-0.5B's Qwen2
+   shape) with random weights, in float32, through the engine: SSSD against plain decoding at
+   batch 1 and 16 (serial and async drafting), token-identical; a seeded sampled run too.
+2. profile: the forward time of a large shape (Llama-3.1-8B's config, random bf16 weights built
+   on the GPU) by batch rows (1-256) and tokens per row (1-65) through our backend and attention,
+   and cost(B, 1+b) / cost(B, 1) for b in {4, 16, 64}; the two grouped-query attention modes side
+   by side; how long `launch` holds the CPU against the whole pass.
+3. projection: the speedup per batch size predicted from the measured profile and the packaged
+   calibration's replayed MAT, beside `sssd plan`'s roofline projection for the same GPU, the
+   roofline's cost over the measured cost at every point, and the roofline fitted to the
+   measurement.
+
+Everything printed is also in the JSON file. `--device cpu --small` runs the same code on tiny
+shapes in seconds (the test suite does, so the script cannot rot between device runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Real architectures' configs (public config.json values), built with random weights.
+SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
+QWEN25_05B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
+LLAMA31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  bos_token_id=128000, eos_token_id=128001)
+#: --small: the same code on shapes a CPU runs in seconds.
+TINY_LLAMA = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=93, max_position_embeddings=512)
+TINY_QWEN = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=93, max_position_embeddings=512)
+TINY_PROFILE = dict(LLAMA31_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=16384, bos_token_id=2, eos_token_id=1)
+
+
+class Report:
+    """Prints as it goes and keeps everything for the JSON file."""
+
+    def __init__(self, path: Path):
+        self.path, self.data, self.t0 = path, {}, time.perf_counter()
+
+    def say(self, msg: str = "") -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", flush=True)
+        self.data.setdefault("log", []).append(msg)
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def environment(device: torch.device) -> dict:
+    import sssd
+    from sssd.serving.profile import cpu_model
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": os.environ.get("SSSD_COMMIT"), "device": str(device), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "cpu": cpu_model(),
+           "cpu_cores": os.cpu_count(), "sssd": sssd.build_info()}
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,
+                   capability=f"{p.major}.{p.minor}")
+    return env
+
+
+# -- 1. lossless -----------------------------------------------------------------------------------
+
+def model_folder(config: dict, folder: Path, seed: int = 0) -> Path:
+    """A model folder of `config`'s architecture with random weights (sharpened: ties in greedy
+    decoding would make token equality depend on rounding) and a word-level tokenizer."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import tokenizer_files
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    cfg_obj = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg_obj, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer_files(folder, config["vocab_size"])
+    return folder
+
+
+def prompts(vocab: int, n: int, rng: np.random.Generator) -> list[list[int]]:
+    """Prompts of words with repeated phrases (so the request's own text drafts something)."""
+    out = []
+    for _ in range(n):
+        phrases = [rng.integers(3, vocab, int(rng.integers(3, 9))).tolist() for _ in range(4)]
+        p: list[int] = []
+        while len(p) < int(rng.integers(24, 72)):
+            p += phrases[int(rng.integers(len(phrases)))]
+        out.append(p)
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def margin_at(folder: Path, device: torch.device, prefix: list[int]) -> float:
+    """Top-1 minus top-2 logit of the next token after `prefix` (plain transformers, float32): how
+    close to a tie a divergence was."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prefix], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def lossless(report: Report, device: torch.device, small: bool, work: Path) -> dict:
+    import sssd
+    from sssd.serving.engine import EngineConfig, LLMEngine
+    from sssd.serving.params import SamplingParams
+
+    archs = {"llama (SmolLM2-135M shape)": TINY_LLAMA if small else SMOLLM2_135M,
+             "qwen2 (Qwen2.5-0.5B shape)": TINY_QWEN if small else QWEN25_05B}
+    n, max_tokens, budget = (8, 24, 16) if small else (16, 48, 16)
+    batch_sizes = (1, 4) if small else (1, 16)
+    results = {}
+    for name, cfg in archs.items():
+        folder = model_folder(cfg, work / cfg["model_type"])
+        rng = np.random.default_rng(1)
+        ps = prompts(cfg["vocab_size"], n, rng)
+        greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        res: dict = {"prompts": n, "max_tokens": max_tokens, "budget": budget, "runs": {}}
+
+        def run(label: str, draft, batch: int, params=greedy, datastore=None, **cfg_kw):
+            config = EngineConfig(max_running=batch, max_model_len=256, budget=budget, dtype="float32",
+                                  device=str(device), **cfg_kw)
+            eng = LLMEngine(folder, datastore=datastore, draft=draft, config=config)
+            t0 = time.perf_counter()
+            outs = eng.generate(ps, params) if batch > 1 else [eng.generate([p], params)[0] for p in ps]
+            secs = time.perf_counter() - t0
+            toks = [o.token_ids for o in outs]
+            steps = sum(o.stats.get("steps", 0) if isinstance(o.stats, dict) else 0 for o in outs)
+            acc = sum(len(t) for t in toks)
+            res["runs"][label] = {"seconds": round(secs, 2), "tokens": acc, "steps": steps,
+                                  "accepted_by_source": dict(eng.metrics.accepted_by_source)}
+            report.say(f"  {name} {label}: {acc} tokens in {secs:.1f} s"
+                       + (f", {steps} steps ({acc / max(steps, 1):.2f} tokens/step)" if steps else ""))
+            del eng
+            return toks
+
+        # a datastore from half the prompts' plain continuations: deep accepted paths, compaction
+        plain = {b: run(f"plain batch {b}", [], b) for b in batch_sizes}
+        corpus = []
+        for p, t in zip(ps[::2], plain[batch_sizes[0]][::2]):
+            corpus += p + t + [sssd.SEPARATOR]
+        ds = sssd.Datastore.build(np.asarray(corpus, dtype=np.uint32), work / f"ds-{cfg['model_type']}", overwrite=True)
+        checks = {}
+        for b in batch_sizes:
+            for mode in ("serial", "async"):
+                if mode == "async" and b == 1:
+                    continue
+                label = f"sssd batch {b} {mode}"
+                got = run(label, ["retrieval"], b, datastore=ds, draft_mode=mode)
+                diffs = [i for i, (x, y) in enumerate(zip(got, plain[b])) if x != y]
+                check = {"identical": not diffs, "prompts_differing": diffs}
+                if diffs:
+                    i = diffs[0]
+                    at = first_difference(got[i], plain[b][i])
+                    check["first"] = {"prompt": i, "token": at,
+                                      "plain_margin": margin_at(folder, device, ps[i] + plain[b][i][:at])}
+                checks[label] = check
+                report.say(f"  {name} {label} vs plain: {'IDENTICAL' if not diffs else 'DIFFERENT ' + json.dumps(check)}")
+        seeded = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
+        b = batch_sizes[-1]
+        want = run(f"plain sampled batch {b}", [], b, params=seeded)
+        got = run(f"sssd sampled batch {b}", ["retrieval"], b, params=seeded, datastore=ds)
+        checks[f"sssd sampled batch {b} (seeded)"] = {"identical": got == want}
+        report.say(f"  {name} seeded sampling, batch {b}: {'IDENTICAL' if got == want else 'DIFFERENT'}")
+        checks["plain batch 1 vs batch 16"] = {"identical": plain[batch_sizes[0]] == plain[batch_sizes[-1]],
+                                               "note": "information only: batched float32 kernels may round apart"}
+        res["checks"] = checks
+        results[name] = res
+    return results
+
+
+# -- 2. the verification cost profile --------------------------------------------------------------
+
+def build_backend(config: dict, device: torch.device, slots: int, capacity: int, dtype: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sssd.serving.torch_backend import TorchBackend
+
+    cfg = dict(config)
+    cfg_obj = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg_obj, dtype=getattr(torch, dtype))
+    be = TorchBackend(model, slots=slots, capacity=capacity, dtype=dtype, device=str(device))
+    with torch.no_grad():
+        be.pool.kv.normal_()  # keys and values to read that are not zeros
+    return be
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> dict:
+    """Median wall seconds of one verification pass (launch + collect) over `rows` chains of
+    `tokens` tokens after `context` cached ones, and how long launch alone held the CPU."""
+    from sssd.serving.profile import _chains
+    from sssd.serving.tree_batch import pack
+
+    dev = be.device
+    batch = pack(rng.integers(0, be.info.vocab_size, rows), np.full(rows, context), _chains(rows, tokens - 1))
+    batch.tokens[:] = rng.integers(0, be.info.vocab_size, batch.tokens.shape)
+    greedy = np.ones(rows, dtype=bool)
+    be.collect(be.launch(slice(0, rows), batch, greedy))  # warm-up (kernel choice, allocations)
+    walls, launches = [], []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        h = be.launch(slice(0, rows), batch, greedy)
+        t1 = time.perf_counter()
+        be.collect(h)
+        t2 = time.perf_counter()
+        walls.append(t2 - t0)
+        launches.append(t1 - t0)
+    return {"seconds": statistics.median(walls), "launch_seconds": statistics.median(launches),
+            "spread": (max(walls) - min(walls)) / statistics.median(walls)}
+
+
+def profile(report: Report, device: torch.device, small: bool) -> dict:
+    from sssd.serving import attention
+    from sssd.serving.profile import ForwardProfile
+
+    cfg = TINY_PROFILE if small else LLAMA31_8B
+    dtype = "float32" if small else "bfloat16"
+    rows = (1, 2, 4) if small else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    tokens = (1, 5, 17) if small else (1, 2, 3, 5, 9, 17, 33, 65)
+    context, repeats = (64, 2) if small else (512, 5)
+    capacity = context + max(tokens) + 8
+    t0 = time.perf_counter()
+    be = build_backend(cfg, device, max(rows), capacity, dtype)
+    shape = be.info.shape
+    report.say(f"profile model: Llama-3.1-8B shape{' (tiny)' if small else ''}, {shape['params'] / 1e9:.2f}B params, "
+               f"{dtype}, KV pool {be.pool.kv.numel() * be.pool.kv.element_size() / 2**30:.1f} GiB "
+               f"({max(rows)} slots x {capacity}), built in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(0)
+    grid, launch = [], []
+    for r in rows:
+        line = []
+        for t in tokens:
+            m = time_pass(be, r, t, context, repeats, rng)
+            line.append(m["seconds"])
+            launch.append({"rows": r, "tokens": t, **m})
+        grid.append(line)
+        report.say(f"  {r:>3} rows: " + "  ".join(f"{t}:{s * 1e3:.2f}" for t, s in zip(tokens, line)) + " ms")
+    prof = ForwardProfile(list(rows), list(tokens), grid, context, {"kind": "measured", "model": "Llama-3.1-8B shape"})
+    ratios = {}
+    for r in rows:
+        ratios[r] = {b: round(prof.time(r, 1 + b) / prof.time(r, 1), 3) for b in (4, 16, 64) if 1 + b <= max(tokens)}
+    report.say("cost(B, 1+b) / cost(B, 1): " + "; ".join(
+        f"B={r}: " + ", ".join(f"b={b} {v:.2f}x" for b, v in ratios[r].items()) for r in rows if r in (1, 16, 64, 256)
+        or small))
+    # the grouped-query attention modes side by side (CUDA only: the CPU has one)
+    modes = {}
+    if device.type == "cuda":
+        for r, t in ((16, 17), (64, 65), (256, 17), (256, 65)):
+            if r > max(rows):
+                continue
+            modes[f"{r}x{t}"] = {}
+            for mode in attention.CUDA_MODES:
+                os.environ["SSSD_CUDA_ATTENTION"] = mode
+                try:
+                    modes[f"{r}x{t}"][mode] = round(time_pass(be, r, t, context, 3, rng)["seconds"] * 1e3, 3)
+                except Exception as e:  # noqa: BLE001 - a mode that fails is a finding, not the end of the run
+                    modes[f"{r}x{t}"][mode] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            os.environ.pop("SSSD_CUDA_ATTENTION", None)
+            report.say(f"  attention modes at {r} rows x {t} tokens (ms): {modes[f'{r}x{t}']}")
+    mid = next(x for x in launch if x["rows"] == rows[len(rows) // 2] and x["tokens"] == tokens[len(tokens) // 2])
+    report.say(f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "
+               f"({mid['rows']} rows x {mid['tokens']} tokens): the rest is the device's, for drafting to overlap")
+    out = {"model": "Llama-3.1-8B shape" + (" (tiny)" if small else ""), "shape": shape, "dtype": dtype,
+           "context": context, "repeats": repeats, "profile": prof.to_dict(), "points": launch,
+           "cost_ratio": {str(r): v for r, v in ratios.items()}, "attention_modes": modes}
+    del be
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# -- 3. projection ---------------------------------------------------------------------------------
+
+def projection(report: Report, device: torch.device, measured: dict, small: bool) -> dict:
+    from sssd.paths import packaged_calibration_file
+    from sssd.serving import roofline
+    from sssd.serving.planner import BudgetPlanner, mat_from_calibration
+    from sssd.serving.profile import ForwardProfile
+
+    prof = ForwardProfile.from_dict(measured["profile"])
+    mat = mat_from_calibration(packaged_calibration_file())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    hw = roofline.HARDWARE["h200" if "H200" in gpu else "h100"]
+    s = measured["shape"]
+    shape = roofline.ModelShape("measured shape", s["layers"], s["hidden"], s["heads"], s["kv_heads"], s["head_dim"],
+                                s["intermediate"], s["vocab"], s["dtype_bytes"])
+    ctx = prof.context
+    roof = roofline.roofline_profile(shape, hw, ctx, max_tokens=max(prof.tokens))
+    fitted_hw, fit_eff = roofline.fit(shape, hw, prof)
+    fitted = roofline.roofline_profile(shape, fitted_hw, ctx, fit_eff, max_tokens=max(prof.tokens))
+    points = []
+    for r in prof.rows:
+        for t in prof.tokens:
+            m = prof.time(r, t)
+            points.append({"rows": r, "tokens": t, "measured_ms": round(m * 1e3, 3),
+                           "roofline_ms": round(roof.time(r, t) * 1e3, 3), "roofline_over_measured": round(roof.time(r, t) / m, 3),
+                           "fitted_over_measured": round(fitted.time(r, t) / m, 3)})
+    worst = max(points, key=lambda p: abs(np.log(p["roofline_over_measured"])))
+    worst_fit = max(points, key=lambda p: abs(np.log(p["fitted_over_measured"])))
+    report.say(f"roofline ({hw.name}) over measured: {min(p['roofline_over_measured'] for p in points):.2f}-"
+               f"{max(p['roofline_over_measured'] for p in points):.2f} (worst at {worst['rows']}x{worst['tokens']}); "
+               f"fitted ({fit_eff:.0%} of peak FLOP/s, {fitted_hw.bandwidth / 1e12:.2f} TB/s, "
+               f"{fitted_hw.overhead_s * 1e3:.2f} ms per pass): {min(p['fitted_over_measured'] for p in points):.2f}-"
+               f"{max(p['fitted_over_measured'] for p in points):.2f} (worst at {worst_fit['rows']}x{worst_fit['tokens']})")
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max(prof.rows)]
+    planner = BudgetPlanner(None, mat, prof, adaptive=False)
+    rows = []
+    plan = {r["batch"]: r for r in roofline.projection(shape, hw, mat, tuple(batches), ctx)}
+    for B in batches:
+        b = planner.budget(B)
+        cost = prof.time(B, b + 1) / prof.time(B, 1)
+        row = {"batch": B, "budget": b, "mat": round(planner.mat[b], 3), "cost_ratio": round(cost, 3),
+               "speedup": round(planner.mat[b] / cost, 3), "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
+               "roofline_budget": plan[B]["budget"], "roofline_speedup": plan[B]["speedup"]}
+        row["speedup_over_roofline"] = round(row["speedup"] / plan[B]["speedup"], 3)
+        rows.append(row)
+    report.say(f"predicted from the measured profile and the packaged calibration's replayed MAT, beside `sssd plan "
+               f"--hardware {'h200' if hw is roofline.HARDWARE['h200'] else 'h100'}` (the SSSD paper: 1.37-1.80x at "
+               f"batch 64, Llama2-7B on an Ascend 910B4):")
+    report.say(f"{'batch':>6} {'budget':>6} {'MAT':>5} {'cost':>5} {'speedup':>8} {'plain tok/s':>11} "
+               f"{'roofline b':>10} {'roofline x':>10} {'ratio':>6}")
+    for r in rows:
+        report.say(f"{r['batch']:>6} {r['budget']:>6} {r['mat']:>5.2f} {r['cost_ratio']:>5.2f} {r['speedup']:>7.2f}x "
+                   f"{r['plain_tokens_per_s']:>11,.0f} {r['roofline_budget']:>10} {r['roofline_speedup']:>9.2f}x "
+                   f"{r['speedup_over_roofline']:>6.2f}")
+    return {"hardware": hw.name, "mat": {str(k): v for k, v in sorted(mat.items())}, "points": points,
+            "fitted": {"efficiency": fit_eff, "bandwidth": fitted_hw.bandwidth, "overhead_s": fitted_hw.overhead_s},
+            "speedup": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes (the CPU test of this script)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "benchmarks" / "out")) / "gpu_check.json",
+                   help="the JSON file everything goes to (default: $OUT/gpu_check.json)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["lossless", "profile"], help="parts to leave out")
+    args = p.parse_args(argv)
+    from sssd.serving.devices import resolve
+
+    device = resolve(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the lossless check)
+    report = Report(args.out)
+    report.put("environment", environment(device))
+    report.say(f"environment: {json.dumps(report.data['environment'])}")
+    ok = True
+    if "lossless" not in args.skip:
+        report.say("== 1. lossless: SSSD vs plain decoding through the engine, float32, random weights")
+        with tempfile.TemporaryDirectory() as work:
+            res = lossless(report, device, args.small, Path(work))
+        report.put("lossless", res)
+        bad = [f"{m}: {c}" for m, r in res.items() for c, v in r["checks"].items()
+               if not v["identical"] and not c.startswith("plain")]
+        ok = not bad
+        report.say("lossless: ALL IDENTICAL" if ok else "lossless: DIFFERENCES in " + "; ".join(bad))
+    if "profile" not in args.skip:
+        report.say("== 2. the verification cost profile")
+        measured = profile(report, device, args.small)
+        report.put("profile", measured)
+        report.say("== 3. predicted speedup from the measured costs, beside the roofline projection")
+        report.put("projection", projection(report, device, measured, args.small))
+    report.put("ok", ok)
+    report.say(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The verifier's device handling, tested on the CPU: what the CUDA path computes differently
+(the mask built from the ancestor relation, grouped-query heads folded along the queries, the
+split launch/collect) against the CPU path's own results, and the errors for a device that is
+not there or a KV pool that does not fit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sssd.serving import attention, devices
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.params import SamplingParams
+from sssd.serving.torch_backend import TorchBackend, kv_positions, tree_mask
+from sssd.serving.tree_batch import pack
+
+from test_engine_seams import PROMPTS, random_drafts
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("device") / "llama", "llama")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_mask_built_from_ancestors_equals_the_packed_mask(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 9))
+    batch = pack(rng.integers(0, 50, B), rng.integers(0, 40, B), random_drafts(rng, B))
+    S = batch.kv_length
+    t = {k: torch.from_numpy(getattr(batch, k)) for k in ("cached", "valid", "ancestors", "writes", "positions")}
+    got = tree_mask(t["cached"], t["valid"], t["ancestors"], S)
+    assert got.dtype == torch.bool and got.shape == (B, batch.shape[1], S)
+    assert np.array_equal(got.numpy(), batch.visible())
+    assert np.array_equal(kv_positions(t["writes"], t["positions"], S).numpy(), batch.kv_positions())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
+def test_folded_grouped_query_attention_equals_attention_per_head(heads, kv_heads):
+    rng = np.random.default_rng(heads)
+    gen = torch.Generator().manual_seed(heads)
+    B, D = 3, 16
+    batch = pack(rng.integers(0, 50, B), rng.integers(1, 30, B), random_drafts(rng, B))
+    T, S = batch.shape[1], batch.kv_length
+    mask = torch.from_numpy(batch.visible())[:, None]
+    q = torch.randn(B, heads, T, D, generator=gen)
+    k = torch.randn(B, kv_heads, S, D, generator=gen)
+    v = torch.randn(B, kv_heads, S, D, generator=gen)
+    groups = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask)
+    bias = attention.fold_mask(mask, groups, q.dtype)
+    assert bias.shape == (B, 1, groups * T, S) and bias.stride(-2) % 16 == 0
+    got = attention.folded_attention(q, k, v, bias, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_attention_keeps_greedy_identical_through_the_engine(llama):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=256))
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    eng = LLMEngine(llama, datastore=None, config=EngineConfig(max_model_len=256, budget=8))
+    eng.backend.fold_attention = True  # what CUDA runs, here on the CPU
+    assert [o.token_ids for o in eng.generate(PROMPTS, params)] == want
+    assert eng.metrics.accepted_by_source  # it speculated
+
+
+def test_launch_then_collect_hands_over_argmax_topk_and_logits(llama):
+    """launch only enqueues (on CUDA); collect gives what a one-shot pass gives: the argmax of
+    greedy rows, the logits of sampled rows, top-k of both, from the same forward pass."""
+    be = TorchBackend(llama, slots=4, capacity=64)
+    rng = np.random.default_rng(0)
+    drafts = random_drafts(rng, 3, vocab=20)
+    batch = pack(rng.integers(3, 90, 3), np.zeros(3, np.int64), drafts)
+    greedy = np.array([True, False, True])
+    out = be.collect(be.launch(slice(0, 3), batch, greedy, topk=3))
+    logits = be.logits(be.hidden_states(slice(0, 3), batch))  # the same pass again: same K/V writes
+    ref = logits.argmax(-1).numpy()
+    for b in range(3):
+        n = int(batch.sizes[b])
+        assert (out.argmax[b, n:] == -1).all() and (out.topk[b, n:] == -1).all()
+        assert np.array_equal(out.topk[b, :n], logits[b, :n].topk(3, dim=-1).indices.numpy())
+        if greedy[b]:
+            assert np.array_equal(out.argmax[b, :n], ref[b, :n])
+            assert (out.logit_index[b] == -1).all()
+        else:
+            assert (out.argmax[b] == -1).all()
+            torch.testing.assert_close(out.logits[torch.from_numpy(out.logit_index[b, :n])], logits[b, :n])
+
+
+def test_a_device_that_is_not_here_is_one_clear_error():
+    assert devices.resolve(None).type in ("cpu", "cuda")
+    assert devices.resolve("cpu") == torch.device("cpu")
+    with pytest.raises(devices.DeviceError, match="not a device name"):
+        devices.resolve("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(devices.DeviceError, match="'cuda'.*(without CUDA|sees no CUDA GPU)"):
+            devices.resolve("cuda")
+    else:
+        n = torch.cuda.device_count()
+        with pytest.raises(devices.DeviceError, match=f"has {n} CUDA GPU"):
+            devices.resolve(f"cuda:{n}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_serve_on_cuda_without_cuda_fails_in_one_line_before_loading(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "sssd.cli", "serve", "--device", "cuda", "--datastore", "none"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device 'cuda'" in lines[0] and "CUDA" in lines[0], r.stderr
+    assert "loading" not in r.stderr
+
+
+def test_a_kv_pool_that_does_not_fit_says_its_sizes(llama):
+    with pytest.raises(MemoryError, match=r"KV pool: .* GiB \(1048576 slots x 1048576 tokens x 2 layers x 2 KV heads"
+                                          r" x 16 x K and V x 4 bytes\).*--max-running"):
+        TorchBackend(llama, slots=2**20, capacity=2**20)
