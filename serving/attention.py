@@ -96,7 +96,7 @@ def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kv_heads = key.shape[1]
     q = query.reshape(B, kv_heads, (H // kv_heads) * T, D)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
-    return out.view(B, H, T, D)
+    return out.reshape(B, H, T, D)  # the kernel may lay its output out by its own strides
 
 
 def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
