@@ -269,13 +269,88 @@ def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> di
             "spread": (max(walls) - min(walls)) / statistics.median(walls)}
 
 
-def profile(report: Report, device: torch.device, small: bool) -> dict:
+def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
+    """What one pass costs the GPU itself, apart from the CPU launching it: the synchronising calls
+    in launch (sync debug mode), the sum of its kernels' times (torch.profiler) and the wall time of
+    the pass replayed as one CUDA graph (launch costs gone). Each part reports its failure instead
+    of ending the run."""
+    import warnings
+
+    from sssd.serving import attention
+    from sssd.serving.profile import _chains
+    from sssd.serving.torch_backend import _Sent, tree_mask
+    from sssd.serving.tree_batch import pack
+
+    dev = be.device
+    batch = pack(rng.integers(0, be.info.vocab_size, rows), np.full(rows, context), _chains(rows, tokens - 1))
+    greedy = np.ones(rows, dtype=bool)
+    out: dict = {"rows": rows, "tokens": tokens}
+    be.collect(be.launch(slice(0, rows), batch, greedy))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                h = be.launch(slice(0, rows), batch, greedy)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        be.collect(h)
+        out["syncs_in_launch"] = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught})
+    except Exception as e:  # noqa: BLE001
+        out["syncs_in_launch"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        from torch.profiler import ProfilerActivity, profile as tprofile
+
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            be.collect(be.launch(slice(0, rows), batch, greedy))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["kernel_ms"] = round(sum(e.device_time for e in kernels) / 1e3, 3)
+        out["kernels"] = len(kernels)
+        out["kernel_ms_by_op"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3, 3)
+    except Exception as e:  # noqa: BLE001
+        out["kernel_ms"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    try:  # the model's forward and the argmax as one graph, over inputs already on the device
+        S = batch.kv_length
+        tok, pos, writes, cached, valid, anc = _Sent.send(dev, batch.tokens, batch.positions, batch.writes,
+                                                          batch.cached, batch.valid, batch.ancestors)
+        torch.cuda.synchronize()
+
+        def forward():
+            mask = tree_mask(cached, valid, anc, S)[:, None]
+            step = attention.PoolStep(be.pool, slice(0, rows), writes, S)
+            hid = be.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False,
+                                 **{attention.STEP_KWARG: step}).last_hidden_state
+            return be._argmax_topk(hid.reshape(-1, hid.shape[-1]), 0)[0]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            forward()
+        walls = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        out["graph_ms"] = round(statistics.median(walls[1:]) * 1e3, 3)
+        del graph
+    except Exception as e:  # noqa: BLE001
+        out["graph_ms"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def profile(report: Report, device: torch.device, small: bool, only_rows=None) -> dict:
     from sssd.serving import attention
     from sssd.serving.profile import ForwardProfile
 
     cfg = TINY_PROFILE if small else LLAMA31_8B
     dtype = "float32" if small else "bfloat16"
-    rows = (1, 2, 4) if small else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    rows = tuple(only_rows) if only_rows else (1, 2, 4) if small else (1, 2, 4, 8, 16, 32, 64, 128, 256)
     tokens = (1, 5, 17) if small else (1, 2, 3, 5, 9, 17, 33, 65)
     context, repeats = (64, 2) if small else (512, 5)
     capacity = context + max(tokens) + 8
@@ -317,16 +392,29 @@ def profile(report: Report, device: torch.device, small: bool) -> dict:
                     modes[f"{r}x{t}"][mode] = f"failed: {type(e).__name__}: {str(e)[:200]}"
             os.environ.pop("SSSD_CUDA_ATTENTION", None)
             report.say(f"  attention modes at {r} rows x {t} tokens (ms): {modes[f'{r}x{t}']}")
+    side = []
+    if device.type == "cuda":  # what the GPU itself spends, apart from launching
+        for r in (1, 16, 64, 256):
+            for t in (1, 5, 17, 65):
+                side.append(device_side(be, r, t, context, rng))
+                d = side[-1]
+                report.say(f"  {r} rows x {t} tokens: eager {prof_time(grid, rows, tokens, r, t):.2f} ms, kernels "
+                           f"{d.get('kernel_ms')} ms ({d.get('kernels')}), CUDA graph {d.get('graph_ms')} ms")
+        report.say(f"  synchronising calls inside launch: {side[0].get('syncs_in_launch')}")
     mid = next(x for x in launch if x["rows"] == rows[len(rows) // 2] and x["tokens"] == tokens[len(tokens) // 2])
     report.say(f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "
                f"({mid['rows']} rows x {mid['tokens']} tokens): the rest is the device's, for drafting to overlap")
     out = {"model": "Llama-3.1-8B shape" + (" (tiny)" if small else ""), "shape": shape, "dtype": dtype,
            "context": context, "repeats": repeats, "profile": prof.to_dict(), "points": launch,
-           "cost_ratio": {str(r): v for r, v in ratios.items()}, "attention_modes": modes}
+           "cost_ratio": {str(r): v for r, v in ratios.items()}, "attention_modes": modes, "device_side": side}
     del be
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def prof_time(grid, rows, tokens, r: int, t: int) -> float:
+    return grid[list(rows).index(r)][list(tokens).index(t)] * 1e3 if r in rows and t in tokens else float("nan")
 
 
 # -- 3. projection ---------------------------------------------------------------------------------
@@ -395,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "benchmarks" / "out")) / "gpu_check.json",
                    help="the JSON file everything goes to (default: $OUT/gpu_check.json)")
     p.add_argument("--skip", nargs="*", default=[], choices=["lossless", "profile"], help="parts to leave out")
+    p.add_argument("--rows", type=int, nargs="+", default=None, help="batch rows to profile (default 1-256)")
     args = p.parse_args(argv)
     from sssd.serving.devices import resolve
 
@@ -415,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         report.say("lossless: ALL IDENTICAL" if ok else "lossless: DIFFERENCES in " + "; ".join(bad))
     if "profile" not in args.skip:
         report.say("== 2. the verification cost profile")
-        measured = profile(report, device, args.small)
+        measured = profile(report, device, args.small, args.rows)
         report.put("profile", measured)
         report.say("== 3. predicted speedup from the measured costs, beside the roofline projection")
         report.put("projection", projection(report, device, measured, args.small))
