@@ -419,20 +419,45 @@ def prof_time(grid, rows, tokens, r: int, t: int) -> float:
 
 # -- 3. projection ---------------------------------------------------------------------------------
 
-def projection(report: Report, device: torch.device, measured: dict, small: bool) -> dict:
+def graph_profile(measured: dict):
+    """The forward-time profile of the passes replayed as CUDA graphs (what the GPU costs once
+    launching is free), where the run measured them; else None."""
+    from sssd.serving.profile import ForwardProfile
+
+    side = [d for d in measured.get("device_side", []) if isinstance(d.get("graph_ms"), (int, float))]
+    rows = sorted({d["rows"] for d in side})
+    tokens = sorted({d["tokens"] for d in side})
+    if len(side) != len(rows) * len(tokens) or len(rows) < 2 or len(tokens) < 2:
+        return None
+    at = {(d["rows"], d["tokens"]): d["graph_ms"] / 1e3 for d in side}
+    return ForwardProfile(rows, tokens, [[at[r, t] for t in tokens] for r in rows], measured["context"],
+                          {"kind": "measured, CUDA graph replay"})
+
+
+def projection(report: Report, gpu: str, measured: dict) -> dict:
+    """Section 3 for the eager profile and, where measured, the CUDA-graph one."""
+    from sssd.serving.profile import ForwardProfile
+
+    out = {"eager": project(report, gpu, measured, ForwardProfile.from_dict(measured["profile"]), "eager passes")}
+    graph = graph_profile(measured)
+    if graph is not None:
+        out["cuda_graph"] = project(report, gpu, measured, graph, "passes replayed as CUDA graphs")
+        out["cuda_graph"]["profile"] = graph.to_dict()
+    return out
+
+
+def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
     from sssd.paths import packaged_calibration_file
     from sssd.serving import roofline
     from sssd.serving.planner import BudgetPlanner, mat_from_calibration
-    from sssd.serving.profile import ForwardProfile
 
-    prof = ForwardProfile.from_dict(measured["profile"])
     mat = mat_from_calibration(packaged_calibration_file())
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     hw = roofline.HARDWARE["h200" if "H200" in gpu else "h100"]
     s = measured["shape"]
     shape = roofline.ModelShape("measured shape", s["layers"], s["hidden"], s["heads"], s["kv_heads"], s["head_dim"],
                                 s["intermediate"], s["vocab"], s["dtype_bytes"])
     ctx = prof.context
+    report.say(f"-- {label}")
     roof = roofline.roofline_profile(shape, hw, ctx, max_tokens=max(prof.tokens))
     fitted_hw, fit_eff = roofline.fit(shape, hw, prof)
     fitted = roofline.roofline_profile(shape, fitted_hw, ctx, fit_eff, max_tokens=max(prof.tokens))
@@ -461,16 +486,21 @@ def projection(report: Report, device: torch.device, measured: dict, small: bool
                "speedup": round(planner.mat[b] / cost, 3), "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
                "roofline_budget": plan[B]["budget"], "roofline_speedup": plan[B]["speedup"]}
         row["speedup_over_roofline"] = round(row["speedup"] / plan[B]["speedup"], 3)
+        parts = roofline.breakdown(shape, fitted_hw, B, b + 1, ctx, fit_eff)
+        total = sum(p["seconds"] for p in parts.values())
+        top = max(parts, key=lambda k: parts[k]["seconds"])
+        row["dominant"] = f"{top} ({parts[top]['bound']}, {parts[top]['seconds'] / total:.0%})"
+        row["fitted_parts_ms"] = {k: round(p["seconds"] * 1e3, 3) for k, p in parts.items()}
         rows.append(row)
-    report.say(f"predicted from the measured profile and the packaged calibration's replayed MAT, beside `sssd plan "
+    report.say(f"predicted from these costs and the packaged calibration's replayed MAT, beside `sssd plan "
                f"--hardware {'h200' if hw is roofline.HARDWARE['h200'] else 'h100'}` (the SSSD paper: 1.37-1.80x at "
                f"batch 64, Llama2-7B on an Ascend 910B4):")
     report.say(f"{'batch':>6} {'budget':>6} {'MAT':>5} {'cost':>5} {'speedup':>8} {'plain tok/s':>11} "
-               f"{'roofline b':>10} {'roofline x':>10} {'ratio':>6}")
+               f"{'roofline b':>10} {'roofline x':>10} {'ratio':>6}  dominant cost at the budget (fitted roofline)")
     for r in rows:
         report.say(f"{r['batch']:>6} {r['budget']:>6} {r['mat']:>5.2f} {r['cost_ratio']:>5.2f} {r['speedup']:>7.2f}x "
                    f"{r['plain_tokens_per_s']:>11,.0f} {r['roofline_budget']:>10} {r['roofline_speedup']:>9.2f}x "
-                   f"{r['speedup_over_roofline']:>6.2f}")
+                   f"{r['speedup_over_roofline']:>6.2f}  {r['dominant']}")
     return {"hardware": hw.name, "mat": {str(k): v for k, v in sorted(mat.items())}, "points": points,
             "fitted": {"efficiency": fit_eff, "bandwidth": fitted_hw.bandwidth, "overhead_s": fitted_hw.overhead_s},
             "speedup": rows}
@@ -484,7 +514,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the JSON file everything goes to (default: $OUT/gpu_check.json)")
     p.add_argument("--skip", nargs="*", default=[], choices=["lossless", "profile"], help="parts to leave out")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="batch rows to profile (default 1-256)")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="recompute section 3 from a finished run's JSON file (no device needed)")
     args = p.parse_args(argv)
+    if args.from_json is not None:
+        done = json.loads(args.from_json.read_text())
+        report = Report(args.out)
+        report.put("source", str(args.from_json))
+        report.put("projection", projection(report, done["environment"].get("gpu", ""), done["profile"]))
+        return 0
     from sssd.serving.devices import resolve
 
     device = resolve(args.device)
@@ -507,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = profile(report, device, args.small, args.rows)
         report.put("profile", measured)
         report.say("== 3. predicted speedup from the measured costs, beside the roofline projection")
-        report.put("projection", projection(report, device, measured, args.small))
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        report.put("projection", projection(report, gpu, measured))
     report.put("ok", ok)
     report.say(f"wrote {args.out}")
     return 0 if ok else 1

@@ -81,7 +81,8 @@ PAPER = {"batch 1": "2.05-2.61x", "batch 64": "1.37-1.80x",
 
 
 def operators(m: ModelShape, batch: int, s_q: int, context: int) -> list[tuple[float, float, int]]:
-    """The operators of one forward pass as (FLOPs, bytes moved, how many times it runs)."""
+    """The operators of one forward pass as (FLOPs, bytes moved, how many times it runs), in the
+    order OPERATORS names them."""
     w = m.dtype_bytes
     tokens = batch * s_q
     h, hq, hkv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
@@ -95,6 +96,26 @@ def operators(m: ModelShape, batch: int, s_q: int, context: int) -> list[tuple[f
                 w * (2 * batch * m.kv_heads * kv * m.head_dim + 2 * tokens * hq), m.layers))
     ops.append((2 * tokens * h * m.vocab, w * (h * m.vocab + tokens * h), 1))  # output head
     return ops
+
+
+#: What `operators` returns, in order.
+OPERATORS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp", "attention", "head")
+
+
+def breakdown(m: ModelShape, hw: Hardware, batch: int, s_q: int, context: int, efficiency: float = 1.0) -> dict:
+    """Where one pass's roofline time goes: seconds of the weight matmuls, attention over the KV
+    cache, the output head and the per-pass overhead, each part compute- or memory-bound."""
+    peak = hw.peak_flops * efficiency
+    parts: dict = {}
+    for name, (f, io, n) in zip(OPERATORS, operators(m, batch, s_q, context)):
+        group = "weights" if name.endswith("proj") or name == "mlp" else name
+        sec, bound = parts.get(group, (0.0, {}))
+        kind = "compute" if f / peak > io / hw.bandwidth else "memory"
+        bound[kind] = bound.get(kind, 0.0) + n * max(f / peak, io / hw.bandwidth)
+        parts[group] = (sec + n * max(f / peak, io / hw.bandwidth), bound)
+    out = {g: {"seconds": sec, "bound": max(b, key=b.get)} for g, (sec, b) in parts.items()}
+    out["overhead"] = {"seconds": hw.overhead_s, "bound": "fixed"}
+    return out
 
 
 def step_seconds(m: ModelShape, hw: Hardware, batch: int, s_q: int, context: int, efficiency: float = 1.0) -> float:
