@@ -135,15 +135,16 @@ def fit(m: ModelShape, hw: Hardware, measured: ForwardProfile) -> tuple[Hardware
     ops = [operators(m, r, t, measured.context) for r, t in pts]
     flops = np.array([[f * n for f, _, n in o] for o in ops])   # [points, operators]
     io = np.array([[b * n for _, b, n in o] for o in ops])
+    overheads = np.concatenate([[0.0], np.geomspace(1e-5, 0.1, 120)])
     best = (np.inf, hw, 1.0)
-    for eff in np.geomspace(0.05, 1.0, 40):
+    for eff in np.geomspace(0.05, 1.0, 60):
         t_f = flops / (hw.peak_flops * eff)
-        for bw in np.linspace(0.3, 1.0, 15) * hw.bandwidth:
+        for bw in np.linspace(0.3, 1.0, 29) * hw.bandwidth:
             base = np.maximum(t_f, io / bw).sum(axis=1)
-            for over in np.concatenate([[0.0], np.geomspace(1e-5, 0.1, 60)]):
-                err = np.abs(np.log((base + over) / want)).max()
-                if err < best[0]:
-                    best = (err, Hardware(f"{hw.name}, fitted", hw.peak_flops, float(bw), float(over)), float(eff))
+            err = np.abs(np.log((base[None, :] + overheads[:, None]) / want[None, :])).max(axis=1)
+            i = int(err.argmin())
+            if err[i] < best[0]:
+                best = (err[i], Hardware(f"{hw.name}, fitted", hw.peak_flops, float(bw), float(overheads[i])), float(eff))
     return best[1], best[2]
 
 

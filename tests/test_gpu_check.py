@@ -1,0 +1,65 @@
+"""The prepared device run (benchmarks/gpu_check.py) on the CPU at tiny shapes, so it cannot rot
+between the sessions that have a GPU, and its offline section over the recorded H200 run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+RECORDED = REPO / "benchmarks" / "gpu" / "gpu_check-h200-4c2440e.json"
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, SSSD_LINEAR_PLAN="off")  # the CPU's linear-layer plan is no part of this check
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env=env)
+
+
+def test_the_device_run_runs_on_the_cpu_at_tiny_shapes(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    r = run("--device", "cpu", "--small", "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["environment"]["device"] == "cpu"
+    for arch, res in data["lossless"].items():
+        checks = {k: v for k, v in res["checks"].items() if not k.startswith("plain")}
+        assert len(checks) == 4 and all(v["identical"] for v in checks.values()), (arch, checks)
+        sssd_runs = [v for k, v in res["runs"].items() if k.startswith("sssd batch")]
+        assert all(v["steps"] < v["tokens"] for v in sssd_runs)  # it speculated: fewer steps than tokens
+    prof = data["profile"]["profile"]
+    assert prof["rows"] == [1, 2, 4] and prof["tokens"] == [1, 5, 17]
+    assert all(s > 0 for row in prof["seconds"] for s in row)
+    rows = data["projection"]["eager"]["speedup"]
+    assert [r["batch"] for r in rows] == [1, 2, 4]
+    assert all(r["speedup"] == pytest.approx(r["mat"] / r["cost_ratio"], rel=1e-2) for r in rows)
+    assert "== 3." in r.stdout and "wrote" in r.stdout
+
+
+def test_a_cuda_run_on_a_machine_without_cuda_is_one_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = run("--device", "cuda", "--out", str(tmp_path / "x.json"), cwd=tmp_path)
+    assert r.returncode != 0 and "DeviceError" in r.stderr and "CUDA" in r.stderr.strip().splitlines()[-1]
+
+
+def test_the_recorded_h200_run_reprojects_offline_and_the_fitted_roofline_matches_it(tmp_path):
+    out = tmp_path / "proj.json"
+    r = run("--from-json", str(RECORDED), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    proj = json.loads(out.read_text())["projection"]
+    assert set(proj) == {"eager", "cuda_graph"}
+    graph = proj["cuda_graph"]
+    # the roofline corrected to the GPU's own costs is within 25% at every measured point
+    assert all(0.75 <= p["fitted_over_measured"] <= 1.25 for p in graph["points"]), graph["points"]
+    assert [r["batch"] for r in graph["speedup"]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert all(r["dominant"] for r in graph["speedup"])
