@@ -117,6 +117,10 @@ class EngineConfig:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
         if self.draft_threads is not None and self.draft_threads < 1:
             raise ValueError(f"draft_threads must be >= 1, got {self.draft_threads}")
+        if self.device is not None:  # before any model is pulled or loaded: what this machine has instead
+            from sssd.serving.devices import resolve
+
+            resolve(self.device)
         if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):
             raise ValueError(f"budget must be in [0, {int(sssd._core.MAX_BUDGET)}], got {self.budget}")
 

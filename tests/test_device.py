@@ -108,6 +108,16 @@ def test_a_device_that_is_not_here_is_one_clear_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_an_engine_on_cuda_without_cuda_fails_at_its_config():
+    from sssd import LLM
+
+    with pytest.raises(devices.DeviceError, match="'cuda'"):
+        EngineConfig(device="cuda")
+    with pytest.raises(devices.DeviceError, match="'cuda'"):
+        LLM("no-such-model-is-pulled-first", device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_serve_on_cuda_without_cuda_fails_in_one_line_before_loading(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sssd.cli", "serve", "--device", "cuda", "--datastore", "none"],
                        capture_output=True, text=True, timeout=120)
