@@ -117,7 +117,7 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v)
-    elif step.fold and attention_mask is not None:
+    elif getattr(step, "fold", False) and attention_mask is not None:  # (other steps: pipeline stages, self-drafting)
         bias = step.folded_bias(attention_mask, groups, query.dtype)
         out = folded_attention(query, k, v, bias, scaling)
     else:
