@@ -23,12 +23,22 @@ Evaluation sets (``--sets``):
   mtbench, gsm8k, humaneval
              SmolLM2 ground-truth files (``sssd groundtruth``; skipped while
              they do not exist).
+  code-edits, agent-traces, quoting
+             copy-heavy sets built offline (sssd.calibration.copy_sets; not
+             in the default --sets): the outputs replayed are the sets'
+             reference answers, no model runs. Prompt: the --gt-model's chat
+             template of the messages (with the generation prompt), the
+             output: the tokenized reference and the template's end-of-turn
+             token, as ``sssd groundtruth`` records answers. Only that
+             model's tokenizer and template are read (it must be pulled and
+             be the datastore's tokenizer).
 Development and evaluation splits are disjoint: sssd.calibration.datasets'
 split by a hash of each record's id, the one ``sssd calibrate`` uses.
 
 Usage (SuffixDecoding and ADED need .venv-peers: bash benchmarks/peers/setup_arctic.sh):
   OMP_WAIT_POLICY=passive .venv-peers/bin/python benchmarks/bench_peers.py --limit 100
   python benchmarks/bench_peers.py --peers pld ngram rest --sets sharegpt-heldout --limit 50
+  python benchmarks/bench_peers.py --peers pld ngram --sets code-edits agent-traces quoting --limit 100
   python benchmarks/bench_peers.py --plot-only benchmarks/out/peers.jsonl   # redraw the figure
 """
 
@@ -52,6 +62,7 @@ import sssd  # noqa: E402
 from sssd.calibration.replay import Example, replay  # noqa: E402
 
 SETS = ("sharegpt-heldout", "mtbench", "gsm8k", "humaneval")
+COPY_SETS = ("code-edits", "agent-traces", "quoting")  # replayed on their reference answers; not in the default --sets
 PEERS = ("pld", "ngram", "rest", "rest-uncut", "aded", "suffix")
 SSSD_DEFAULT = "SSSD (default)"
 SSSD_CALIBRATED = "SSSD (calibrated)"
@@ -139,14 +150,55 @@ def raw_heldout(datastore: sssd.Datastore, max_prompt: int = 1024, max_answer: i
     return out
 
 
+def reference_items(name: str, datastore: sssd.Datastore, model: str):
+    """(source, [(id, prompt, output)]) of a copy-heavy set (sssd.calibration.copy_sets) with its
+    reference answers as the outputs, tokenized as ``sssd groundtruth`` records answers
+    (ground_truth.record): the prompt is ``model``'s chat template of the messages with the
+    generation prompt, the output the reference's tokens and the template's end-of-turn token.
+    Only the model's tokenizer files are read; it must be pulled and match the datastore's tokenizer.
+
+    Raises:
+        ValueError: the model is not pulled; DatastoreError: another tokenizer than the datastore's.
+    """
+    import os
+    import warnings
+
+    from sssd.calibration.datasets import load
+    from sssd.calibration.ground_truth import end_of_turn_id, prompt_ids
+    from sssd.models import resolve_model
+    from sssd.tokenizer import check_compatible
+
+    folder = resolve_model(model, pull_missing=False)
+    check_compatible(datastore, folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    eot = end_of_turn_id(tok)
+    items = []
+    for r in load(name):
+        prompt = np.asarray(prompt_ids(tok, r.messages), dtype=np.int64)
+        output = np.asarray(list(tok(r.reference, add_special_tokens=False)["input_ids"]) + [eot], dtype=np.int64)
+        items.append((r.id, prompt, output))
+    return f"{name} reference answers ({model} chat template)", items
+
+
 def load_sets(datastore: sssd.Datastore, args) -> tuple[list[EvalSet], list[str]]:
     notes: list[str] = []
     sets: list[EvalSet] = []
     explicit = dict(kv.split("=", 1) for kv in args.groundtruth)
     for name in args.sets:
-        path, header, items = groundtruth(name, args.gt_model, explicit, datastore)
         end_ids: list[int] = []
-        if path is None:
+        if name in COPY_SETS:
+            try:
+                source, items = reference_items(name, datastore, args.gt_model)
+            except Exception as e:  # noqa: BLE001 - e.g. the model is not pulled: reported, the set skipped
+                notes.append(f"{name}: skipped: {e}")
+                continue
+        elif (found := groundtruth(name, args.gt_model, explicit, datastore))[0] is None:
+            path, header, items = found
             if name != "sharegpt-heldout":
                 notes.append(f"{name}: skipped: {header}")
                 continue
@@ -154,6 +206,7 @@ def load_sets(datastore: sssd.Datastore, args) -> tuple[list[EvalSet], list[str]
             items = raw_heldout(datastore)
             source = f"{datastore.path}/heldout.jsonl (recorded answers, raw turns)"
         else:
+            path, header, items = found
             source = f"{path} ({header.get('generation', {}).get('mode', '?')})"
             end_ids = list(header.get("generation", {}).get("stop_ids") or [])
         subset = {rid: "" for rid, _, _ in items}
@@ -378,7 +431,8 @@ def last_run(jsonl: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datastore", default="default", help="datastore directory (default: the default datastore)")
-    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS + COPY_SETS,
+                    help=f"evaluation sets (default: {' '.join(SETS)}; also {', '.join(COPY_SETS)})")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--sweep-budgets", type=int, nargs="+", default=[16, 32], help="budgets of the peers' sweep on dev")

