@@ -233,7 +233,9 @@ def drafter_config_for(entries: dict[int, DrafterConfig]) -> DrafterConfig:
     return cfgs[-1].replace(use_datastore=any(c.use_datastore for c in cfgs), use_input=any(c.use_input for c in cfgs),
                             input_max_match=max(c.input_max_match for c in cfgs),
                             input_branch_len=max(c.input_branch_len for c in cfgs),
-                            input_max_nodes=max(c.input_max_nodes for c in cfgs))
+                            input_max_nodes=max(c.input_max_nodes for c in cfgs),
+                            copy_max_branch_len=max(c.copy_max_branch_len for c in cfgs),
+                            copy_max_tokens=max(c.copy_max_tokens for c in cfgs))
 
 
 def draft_with_entries(drafter: Any, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray,

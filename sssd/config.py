@@ -182,9 +182,22 @@ class DrafterConfig:
             further (92% of once-occurring contexts followed >= 48 tokens, 88%
             at 1; benchmarks/bench_verbatim.py) at no cost on the development
             splits.
-        input_max_match: P, longest context suffix matched in the input (paper: 4).
-        input_branch_len: longest input continuation.
-        use_datastore / use_input: enable each source.
+        input_max_match: P, longest context suffix matched in the input's n-gram trie (paper: 4).
+        input_branch_len: longest continuation of those short matches.
+        copy_min_match: the copy source (part of the input source): the longest earlier
+            occurrence of the context's suffix, of any length, found by the request's suffix
+            automaton, is followed when it is at least this many tokens long.
+        copy_branch_per_match / copy_max_branch_len: a repeat of m tokens is followed
+            m * copy_branch_per_match tokens deep (at least input_branch_len), up to
+            copy_max_branch_len (0: no copy source).
+        copy_occurrences: earlier occurrences of the repeat followed (most recent first, 1-3);
+            where they disagree the draft branches.
+        copy_rate: prior probability that a copy continues one more token. A copy node at
+            depth d is ranked by its depth-1 priority times rate^(d - 1), where the rate is the
+            request's own: how often its repeats predicted its next token (decaying with
+            copy_half_life tokens), blended with this prior worth copy_evidence tokens.
+        copy_max_tokens: cap on a request's suffix automaton (<= 180 bytes per token).
+        use_datastore / use_input: enable each source (the copy source is part of the input).
         end_token: token drafted where a datastore document ends (e.g. the
             chat template's end-of-turn id); None: documents end the draft.
         vocab_size: token ids must be below this (None: the datastore's
@@ -205,6 +218,14 @@ class DrafterConfig:
     match_boost: float = 1.5
     input_max_match: int = 4
     input_branch_len: int = 16
+    copy_min_match: int = 8
+    copy_branch_per_match: float = 0.0
+    copy_max_branch_len: int = 64
+    copy_occurrences: int = 2
+    copy_rate: float = 0.9
+    copy_evidence: float = 4.0
+    copy_half_life: float = 32.0
+    copy_max_tokens: int = 1 << 20
     use_datastore: bool = True
     use_input: bool = True
     end_token: int | None = None
@@ -252,9 +273,17 @@ class DrafterConfig:
         p.input_max_match = self.input_max_match
         p.input_branch_len = self.input_branch_len
         p.input_max_nodes = self.input_max_nodes
+        p.copy_min_match = self.copy_min_match
+        p.copy_branch_per_match = float(self.copy_branch_per_match)
+        p.copy_max_branch_len = self.copy_max_branch_len
+        p.copy_occurrences = self.copy_occurrences
+        p.copy_rate = float(self.copy_rate)
+        p.copy_evidence = float(self.copy_evidence)
+        p.copy_half_life = float(self.copy_half_life)
+        p.copy_max_tokens = self.copy_max_tokens
         p.vocab_size = self.vocab_size or vocab_size or 0
         max_match = max(self.datastore_max_match, self.input_max_match)
-        max_depth = max(q.deepest(), self.input_branch_len)
+        max_depth = max(q.deepest(), self.input_branch_len, self.copy_max_branch_len)
         p.scores = self.discounts.score_table(max_match, max_depth, external)
         _core.Drafter(None, p, 1)  # validates every field, raising ValueError
         return p

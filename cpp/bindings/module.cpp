@@ -21,6 +21,7 @@
 #include "sssd/drafter.h"
 #include "sssd/parent_tree.h"
 #include "sssd/request_trie.h"
+#include "sssd/suffix_automaton.h"
 #include "sssd/suffix_sort.h"
 #include "sssd/tree_merger.h"
 
@@ -128,6 +129,12 @@ sssd::ScoreTable make_table(int max_match, int max_depth, const py::array& facto
 }
 
 }  // namespace
+
+static py::tuple repeat_tuple(const sssd::SuffixAutomaton::Repeat& r) {
+  py::list ends;
+  for (int i = 0; i < r.count; ++i) ends.append(r.ends[i]);
+  return py::make_tuple(r.length, ends);
+}
 
 PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   m.doc() = "SSSD native core: suffix-array datastore, request trie, draft-tree merge.";
@@ -295,8 +302,43 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return d;
       }, "context"_a, "params"_a, "The continuation tree for a context, as parent-pointer arrays.");
 
+  py::class_<sssd::SuffixAutomaton>(m, "SuffixAutomaton")
+      .def(py::init<size_t>(), "max_tokens"_a = size_t(1) << 20)
+      .def("extend", [](sssd::SuffixAutomaton& a, const py::array& tokens) {
+        const Tokens t(tokens, "tokens");
+        py::gil_scoped_release release;
+        for (const sssd::token_t x : t.span()) a.extend(x);
+      }, "tokens"_a)
+      .def("longest_repeat", [](const sssd::SuffixAutomaton& a) { return repeat_tuple(a.longest_repeat()); },
+           "(length, [end positions of earlier occurrences, most recent first]) of the longest suffix that "
+           "ended earlier too; (0, []) if none")
+      .def_property_readonly("size", &sssd::SuffixAutomaton::size)
+      .def_property_readonly("capped", &sssd::SuffixAutomaton::capped)
+      .def_property_readonly("num_states", &sssd::SuffixAutomaton::num_states)
+      .def("memory_bytes", &sssd::SuffixAutomaton::memory_bytes)
+      .def("check_integrity", &sssd::SuffixAutomaton::check_integrity);
+
   py::class_<sssd::RequestTrie>(m, "RequestTrie")
-      .def(py::init<int, size_t>(), "max_depth"_a, "max_nodes"_a = size_t(1) << 24)
+      .def(py::init([](int max_depth, size_t max_nodes, size_t copy_max_tokens, int copy_min_match,
+                       double copy_half_life) {
+             return sssd::RequestTrie(max_depth, max_nodes, {copy_max_tokens, copy_min_match, copy_half_life});
+           }),
+           "max_depth"_a, "max_nodes"_a = size_t(1) << 24, "copy_max_tokens"_a = 0, "copy_min_match"_a = 8,
+           "copy_half_life"_a = 32.0)
+      .def("repeat", [](const sssd::RequestTrie& t) { return repeat_tuple(t.copy().repeat()); })
+      .def("copy_rate", [](const sssd::RequestTrie& t, double prior, double pseudo) {
+        return t.copy().rate(prior, pseudo);
+      }, "prior"_a, "pseudo"_a)
+      .def_property_readonly("copy_hits", [](const sssd::RequestTrie& t) { return t.copy().hits(); })
+      .def_property_readonly("copy_trials", [](const sssd::RequestTrie& t) { return t.copy().trials(); })
+      .def_property_readonly("copy_cursor", [](const sssd::RequestTrie& t) -> py::object {
+        const uint32_t c = t.copy().cursor();
+        return c == sssd::CopyIndex::kNoCursor ? py::none() : py::object(py::int_(c));
+      })
+      .def("resync", [](const sssd::RequestTrie& t) {
+        const auto r = t.copy().resync(t.tokens());
+        return py::make_tuple(r.length, r.end);
+      })
       .def("extend", [](sssd::RequestTrie& t, const py::array& tokens) {
         t.extend(borrow<sssd::token_t>(tokens, "tokens"));
       }, "tokens"_a)
@@ -334,6 +376,14 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def_readwrite("input_max_match", &sssd::DrafterParams::input_max_match)
       .def_readwrite("input_branch_len", &sssd::DrafterParams::input_branch_len)
       .def_readwrite("input_max_nodes", &sssd::DrafterParams::input_max_nodes)
+      .def_readwrite("copy_min_match", &sssd::DrafterParams::copy_min_match)
+      .def_readwrite("copy_branch_per_match", &sssd::DrafterParams::copy_branch_per_match)
+      .def_readwrite("copy_max_branch_len", &sssd::DrafterParams::copy_max_branch_len)
+      .def_readwrite("copy_occurrences", &sssd::DrafterParams::copy_occurrences)
+      .def_readwrite("copy_rate", &sssd::DrafterParams::copy_rate)
+      .def_readwrite("copy_evidence", &sssd::DrafterParams::copy_evidence)
+      .def_readwrite("copy_half_life", &sssd::DrafterParams::copy_half_life)
+      .def_readwrite("copy_max_tokens", &sssd::DrafterParams::copy_max_tokens)
       .def_readwrite("scores", &sssd::DrafterParams::scores)
       .def_readwrite("vocab_size", &sssd::DrafterParams::vocab_size);
 

@@ -28,6 +28,8 @@ struct Drafter::Scratch {
   std::vector<uint32_t> external_ids;
   std::vector<double> external_path;
   std::vector<SourceTree> trees;
+  ContinuationTree copy_tree;
+  std::vector<token_t> copy_path;
   TreeMerger merger;
 };
 
@@ -38,6 +40,19 @@ void check_params(const DrafterParams& p) {
   SSSD_CHECK_ARG(p.input_branch_len >= 1 && p.input_branch_len <= 255,
                  "input_branch_len must be in [1, 255], got ", p.input_branch_len);
   SSSD_CHECK_ARG(p.input_max_nodes >= 1, "input_max_nodes must be >= 1");
+  SSSD_CHECK_ARG(p.copy_min_match >= 1 && p.copy_min_match <= 1 << 20, "copy_min_match must be in [1, 2^20], got ",
+                 p.copy_min_match);
+  SSSD_CHECK_ARG(p.copy_branch_per_match >= 0 && p.copy_branch_per_match <= 1e6,
+                 "copy_branch_per_match must be in [0, 1e6], got ", p.copy_branch_per_match);
+  SSSD_CHECK_ARG(p.copy_max_branch_len >= 0 && p.copy_max_branch_len <= kMaxBudget,
+                 "copy_max_branch_len must be in [0, ", kMaxBudget, "], got ", p.copy_max_branch_len);
+  SSSD_CHECK_ARG(p.copy_occurrences >= 1 && p.copy_occurrences <= SuffixAutomaton::kKeep,
+                 "copy_occurrences must be in [1, ", SuffixAutomaton::kKeep, "], got ", p.copy_occurrences);
+  SSSD_CHECK_ARG(p.copy_rate > 0 && p.copy_rate <= 1, "copy_rate must be in (0, 1], got ", p.copy_rate);
+  SSSD_CHECK_ARG(p.copy_evidence > 0 && p.copy_evidence <= 1e6, "copy_evidence must be in (0, 1e6], got ",
+                 p.copy_evidence);
+  SSSD_CHECK_ARG(p.copy_half_life >= 0 && p.copy_half_life <= 1e9, "copy_half_life must be in [0, 1e9], got ",
+                 p.copy_half_life);
   SSSD_CHECK_ARG(p.vocab_size <= uint64_t(kMaxTokenId) + 1, "vocab_size must be <= 2^32 - 1, got ",
                  p.vocab_size);
 }
@@ -64,11 +79,16 @@ void Drafter::check_tokens(std::span<const token_t> tokens, const char* what) co
   }
 }
 
+static CopySettings copy_settings(const DrafterParams& p) {
+  if (!p.use_input || p.copy_max_branch_len == 0) return {};
+  return {p.copy_max_tokens, p.copy_min_match, p.copy_half_life};
+}
+
 std::unique_ptr<RequestTrie> Drafter::make_trie() const {
   // Without the input source the trie stores no n-grams, only the context.
   return params_.use_input
              ? std::make_unique<RequestTrie>(params_.input_max_match + params_.input_branch_len,
-                                             params_.input_max_nodes)
+                                             params_.input_max_nodes, copy_settings(params_))
              : std::make_unique<RequestTrie>(2, 1);
 }
 
@@ -202,10 +222,49 @@ void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int bud
           s.trees.push_back(t);
         }
       }
+      add_copy(p, trie.copy(), context, s);
     }
     if (external) add_external(*external, b, s);
   }
   s.merger.merge(s.trees, p.scores, budget, out);
+}
+
+void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
+                       Scratch& s) {
+  if (p.copy_max_branch_len == 0 || !copy.enabled()) return;
+  SuffixAutomaton::Repeat r = copy.repeat();
+  if (r.length < uint32_t(p.copy_min_match) || r.count == 0) {
+    // No repeat long enough: where the copy diverged, does the context rejoin its source?
+    const CopyIndex::Resync y = copy.resync(context);
+    if (y.length == 0) return;
+    r = {};
+    r.length = y.length;
+    r.count = 1;
+    r.ends[0] = y.end;
+  }
+  // As deep as allowed (the rate's powers rank deep nodes low enough), or adaptive: a longer
+  // match followed further.
+  const double wanted = std::min(1e6, double(r.length) * p.copy_branch_per_match);
+  const int depth = p.copy_branch_per_match > 0
+                        ? std::min(p.copy_max_branch_len, std::max(p.input_branch_len, int(wanted)))
+                        : p.copy_max_branch_len;
+  ContinuationTree& t = s.copy_tree;
+  t.clear();
+  std::vector<token_t>& path = s.copy_path;
+  for (int i = 0; i < std::min(r.count, p.copy_occurrences); ++i) {
+    // What followed the occurrence, read on into the copy itself where it runs into the
+    // context's end (an overlapping copy, as LZ77's: periodic text goes on with its period).
+    const size_t start = size_t(r.ends[i]) + 1;  // < context.size(): an earlier end
+    path.clear();
+    for (size_t k = 0; k < size_t(depth); ++k) {
+      const size_t at = start + k;
+      path.push_back(at < context.size() ? context[at] : path[at - context.size()]);
+    }
+    t.add_path(path);
+  }
+  SourceTree v = t.view(Source::kInput, int(std::min<uint32_t>(r.length, 1u << 20)), depth);
+  v.depth_rate = copy.rate(p.copy_rate, p.copy_evidence);
+  s.trees.push_back(v);
 }
 
 void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) const {
@@ -403,6 +462,12 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
     if (p.use_input) {
       input_trees(context, int(std::min<size_t>(context.size(), size_t(p.input_max_match))), depth,
                   p.input_branch_len, inputs, s.trees);
+      const CopySettings cs = copy_settings(p);
+      if (cs.max_tokens > 0) {  // the copy index a request of this context would hold
+        CopyIndex copy(cs.max_tokens, cs.min_match, cs.half_life);
+        for (size_t i = 0; i < context.size(); ++i) copy.append(context.first(i), context[i]);
+        add_copy(p, copy, context, s);
+      }
     }
   }
   s.merger.merge(s.trees, p.scores, budget, out);

@@ -6,8 +6,8 @@
 
 namespace sssd {
 
-RequestTrie::RequestTrie(int max_depth, size_t max_nodes)
-    : max_depth_(max_depth), max_nodes_(max_nodes) {
+RequestTrie::RequestTrie(int max_depth, size_t max_nodes, CopySettings copy)
+    : max_depth_(max_depth), max_nodes_(max_nodes), copy_(copy.max_tokens, copy.min_match, copy.half_life) {
   SSSD_CHECK_ARG(max_depth >= 2 && max_depth <= 1024, "trie depth must be in [2, 1024], got ",
                  max_depth);
   nodes_.push_back({0, 0.0f, kNoNode, kNoNode});
@@ -39,6 +39,7 @@ void RequestTrie::extend(std::span<const token_t> tokens) {
     for (const uint32_t node : tail_) {
       if (node != kNoNode) nodes_[node].weight += 1.0f;
     }
+    copy_.append(tokens_, t);
     tokens_.push_back(t);
   }
 }
@@ -59,7 +60,7 @@ SourceTree RequestTrie::continuations(int len) const {
 
 size_t RequestTrie::memory_bytes() const {
   return tokens_.capacity() * sizeof(token_t) + nodes_.capacity() * sizeof(TreeNode) +
-         index_.memory_bytes() + tail_.capacity() * sizeof(uint32_t);
+         index_.memory_bytes() + tail_.capacity() * sizeof(uint32_t) + copy_.memory_bytes();
 }
 
 std::string RequestTrie::check_integrity() const {
@@ -86,7 +87,10 @@ std::string RequestTrie::check_integrity() const {
   }
   if (seen != nodes_.size()) return detail::concat(nodes_.size() - seen, " nodes are unreachable");
   if (index_.size() + 1 != nodes_.size()) return "child index size does not match the node count";
-  return "";
+  if (copy_.enabled() && !copy_.automaton().capped() && copy_.automaton().size() != tokens_.size()) {
+    return "the copy index does not hold the whole text";
+  }
+  return copy_.automaton().check_integrity();
 }
 
 }  // namespace sssd

@@ -24,7 +24,9 @@ void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node,
     const double weight = t.nodes[c].weight;
     if (!(weight > 0)) continue;
     const double prob = weight / t.total;
-    siblings_.push_back({table.priority(t.source, t.match_len, depth, prob), prob, c, t.nodes[c].token});
+    const double priority = t.depth_rate > 0 ? prob * std::pow(t.depth_rate, depth)
+                                             : table.priority(t.source, t.match_len, depth, prob);
+    siblings_.push_back({priority, prob, c, t.nodes[c].token});
   }
   const uint32_t end = uint32_t(siblings_.size());
   if (begin == end) return;

@@ -31,6 +31,16 @@ struct DrafterParams {
   int input_max_match = 4;           ///< P: longest context suffix matched in the input
   int input_branch_len = 16;         ///< longest input continuation
   size_t input_max_nodes = size_t(1) << 22;  ///< per-request trie cap (<= ~100 B/node)
+  // The copy source (copy_index.h): the longest earlier occurrence of the context's suffix,
+  // followed deep. Part of the input source (its nodes carry Source::kInput and the match length).
+  int copy_min_match = 8;            ///< shortest repeat followed (and that counts as evidence)
+  double copy_branch_per_match = 0;  ///< adaptive depth: a repeat of m tokens followed m times this far (0: off) ...
+  int copy_max_branch_len = 64;      ///< ... up to this many tokens (0: no copy source)
+  int copy_occurrences = 2;          ///< earlier occurrences followed (1..SuffixAutomaton::kKeep)
+  double copy_rate = 0.9;            ///< prior probability that a copy continues one more token
+  double copy_evidence = 4;          ///< the prior's weight, in trials of the request's own evidence
+  double copy_half_life = 32;        ///< trials after which the request's evidence weighs half
+  size_t copy_max_tokens = size_t(1) << 20;  ///< per-request automaton cap (<= 180 B/token)
   ScoreTable scores;                 ///< discounts of the merge
   uint64_t vocab_size = 0;           ///< token ids must be < this (0: any id < 2^32 - 1)
 };
@@ -117,6 +127,8 @@ class Drafter {
   void draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
                  size_t b, ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& scratch,
                  DraftTree& out) const;
+  static void add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
+                       Scratch& scratch);
   std::unique_ptr<RequestTrie> make_trie() const;
 
   std::shared_ptr<const Datastore> datastore_;

@@ -15,6 +15,10 @@
 // `max_nodes` caps it: past the cap, new n-grams are no longer added
 // (existing ones keep counting). The whole trie is freed when its request
 // is closed.
+//
+// Beside the n-grams, the request's copy index (copy_index.h): its longest
+// repeat of any length and how well repeats have predicted its text, for the
+// copy source that follows long verbatim matches past max_depth.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "sssd/copy_index.h"
 #include "sssd/node_index.h"
 #include "sssd/tree_node.h"
 
@@ -30,7 +35,7 @@ namespace sssd {
 class RequestTrie {
  public:
   /// max_depth >= 2: longest n-gram stored (= longest match + continuation).
-  explicit RequestTrie(int max_depth, size_t max_nodes = size_t(1) << 24);
+  explicit RequestTrie(int max_depth, size_t max_nodes = size_t(1) << 24, CopySettings copy = CopySettings());
 
   /// Appends tokens to the request's context.
   void extend(std::span<const token_t> tokens);
@@ -45,6 +50,7 @@ class RequestTrie {
   size_t size() const { return tokens_.size(); }
   std::span<const token_t> tokens() const { return tokens_; }
   size_t num_nodes() const { return nodes_.size(); }
+  const CopyIndex& copy() const { return copy_; }
   int max_depth() const { return max_depth_; }
   size_t memory_bytes() const;
 
@@ -62,6 +68,7 @@ class RequestTrie {
   std::vector<TreeNode> nodes_;  // nodes_[0] is the root; weight = occurrences
   NodeIndex index_;
   std::vector<uint32_t> tail_;  // tail_[k]: node of the last k+1 tokens (kNoNode if capped)
+  CopyIndex copy_;
 };
 
 }  // namespace sssd

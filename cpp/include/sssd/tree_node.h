@@ -37,6 +37,10 @@ struct SourceTree {
   int match_len = 0;                ///< tokens of context matched (0 for external trees)
   const float* draft_probs = nullptr;  ///< optional q(token | parent path), indexed like nodes
   ContinuationTree* expander = nullptr;  ///< lazy tree: expand(node) before reading its children
+  /// If > 0: a node's priority is its probability times depth_rate^depth (the copy source's
+  /// per-request rate of continuing one more token: an acceptance probability, calibrated by
+  /// the request's own evidence) instead of the table's.
+  double depth_rate = 0;
 
   /// No continuations. (A lazy tree's root may look childless before it is
   /// expanded; its total decides.)

@@ -1,0 +1,195 @@
+"""The copy source (issue 28): the request's longest repeat of any length, found by its suffix
+automaton, followed deep, ranked by the request's own evidence. Checked against brute force."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sssd
+from sssd import _core
+
+
+def brute_repeat(t: list[int]) -> tuple[int, list[int]]:
+    """The longest suffix of t that also ends earlier, and every earlier end (most recent first)."""
+    n = len(t)
+    for L in range(n - 1, 0, -1):
+        suf = t[n - L :]
+        ends = [e for e in range(L - 1, n - 1) if t[e - L + 1 : e + 1] == suf]
+        if ends:
+            return L, ends[::-1]
+    return 0, []
+
+
+def automaton(tokens, **kw):
+    a = _core.SuffixAutomaton(**kw)
+    a.extend(np.asarray(tokens, dtype=np.uint32))
+    return a
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=80))
+def test_longest_repeat_equals_brute_force_after_every_token(tokens):
+    a = _core.SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        a.extend(np.array([t], dtype=np.uint32))
+        length, ends = a.longest_repeat()
+        want, all_ends = brute_repeat(tokens[: i + 1])
+        assert length == want
+        assert (length == 0) == (not ends)
+        assert set(ends) <= set(all_ends) and ends == sorted(ends, reverse=True)  # real occurrences, newest first
+        if ends:
+            assert ends[0] == all_ends[0] or len(set(tokens[: i + 1])) <= 2  # newest (exact but for tiny alphabets)
+    assert a.check_integrity() == ""
+    assert a.num_states <= max(1, 2 * len(tokens))
+
+
+def test_a_long_verbatim_repeat_is_found_whatever_its_length():
+    rng = np.random.default_rng(0)
+    doc = rng.integers(0, 50_000, 3000).tolist()
+    a = automaton(doc + rng.integers(0, 50_000, 50).tolist() + doc[:2500])
+    length, ends = a.longest_repeat()
+    assert length == 2500 and ends == [2499]
+
+
+def test_one_token_repeated_100k_times_costs_linear_time_and_bounded_memory():
+    t0 = time.perf_counter()
+    a = automaton(np.full(100_000, 7))
+    elapsed = time.perf_counter() - t0
+    length, ends = a.longest_repeat()
+    assert length == 99_999 and ends[0] == 99_998
+    assert a.num_states == 100_001  # one state per token: no clones for a single repeated token
+    assert a.memory_bytes() <= 180 * 100_000 + 4096
+    assert elapsed < 5  # linear (a quadratic walk would take minutes); generous for slow machines
+
+
+def test_the_cap_stops_growth_and_says_so():
+    a = automaton(np.arange(100) % 7, max_tokens=50)
+    assert a.capped and a.size == 50 and a.longest_repeat() == (0, [])
+    mem = a.memory_bytes()
+    a.extend(np.arange(1000, dtype=np.uint32))
+    assert a.memory_bytes() == mem
+
+
+def brute_evidence(tokens, min_match, half_life, ends_of):
+    """Hits and trials of the copy evidence: before each token, the newest earlier occurrence
+    (ends_of: the automaton's) of a repeat >= min_match predicts the token after it."""
+    decay = 2.0 ** (-1.0 / half_life)
+    hits = trials = 0.0
+    for i in range(1, len(tokens)):
+        length, ends = ends_of(i)
+        if length >= min_match:
+            hits = decay * hits + (tokens[ends[0] + 1] == tokens[i])
+            trials = decay * trials + 1
+    return hits, trials
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_requests_evidence_equals_a_recount(seed):
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 40, int(rng.integers(5, 20))).tolist() for _ in range(4)]
+    tokens = []
+    while len(tokens) < 400:
+        p = list(phrases[int(rng.integers(4))])
+        if rng.random() < 0.3:
+            p[int(rng.integers(len(p)))] = int(rng.integers(0, 40))  # an edit
+        tokens += p
+    trie = _core.RequestTrie(8, 1 << 20, 1 << 20, 6, 16.0)
+    prefixes = []
+    for t in tokens:
+        prefixes.append(trie.repeat())
+        trie.extend(np.array([t], dtype=np.uint32))
+    hits, trials = brute_evidence(tokens, 6, 16.0, lambda i: prefixes[i])
+    assert trials > 10
+    assert trie.copy_hits == pytest.approx(hits) and trie.copy_trials == pytest.approx(trials)
+    assert trie.copy_rate(0.5, 4.0) == pytest.approx((hits + 0.5 * 4) / (trials + 4))
+    assert trie.check_integrity() == ""
+
+
+def test_a_copy_is_followed_as_far_as_the_budget():
+    rng = np.random.default_rng(1)
+    doc = rng.integers(10, 1000, 300).tolist()
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=64))
+    tree = d.draft_prefix(doc + [5, 6] + doc[:20], 64)
+    assert tree.chain_tokens().tolist()[:64] == doc[20:84]
+    assert tree.depths.max() == 64
+
+
+def test_after_an_edit_the_copy_rejoins_its_source():
+    """A token replaced in the copy: the source right after the edit is drafted again."""
+    rng = np.random.default_rng(2)
+    doc = rng.integers(10, 1000, 200).tolist()
+    copied = doc[:60] + [7]  # doc[60] replaced by 7 ...
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=32))
+    tree = d.draft_prefix(doc + [3] + copied + [doc[61]], 32)  # ... and the copy went on with doc[61]
+    assert tree.chain_tokens().tolist()[:20] == doc[62:82]
+
+
+def test_a_request_that_keeps_copying_ranks_its_copy_higher_than_one_that_does_not():
+    rng = np.random.default_rng(3)
+    doc = rng.integers(10, 1000, 400).tolist()
+    noise = rng.integers(10, 1000, 400).tolist()
+    cfg = sssd.DrafterConfig(budget=32, use_datastore=False, copy_rate=0.6, copy_evidence=2.0)
+    d = sssd.Drafter(None, cfg)
+    # both end in the same 20-token repeat of doc; one got there copying, the other editing every third token
+    copier = doc + [1] + doc[:200]
+    editor = doc + [1] + [x if i % 3 else 5 for i, x in enumerate(doc[:180])] + doc[180:200]
+    stranger = doc + [1] + noise[:180] + doc[180:200]
+    trees = [d.draft_prefix(c, 32) for c in (copier, editor, stranger)]
+    for t in trees:
+        assert t.chain_tokens().tolist()[:12] == doc[200:212]
+    # the copy node at depth 12: rate^12, the rate measured on each request's own text
+    deep = [float(t.scores[t.depths == 12].max()) for t in trees]
+    assert deep[0] > 1.5 * max(deep[1], deep[2])
+
+
+def test_stateful_equals_stateless_with_the_copy_source():
+    rng = np.random.default_rng(4)
+    phrases = [rng.integers(0, 60, 30).tolist() for _ in range(3)]
+    text = sum((phrases[int(rng.integers(3))] for _ in range(12)), [])
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=48))
+    d.open(0, text[:40])
+    pos = 40
+    while pos < len(text):
+        k = int(rng.integers(1, 9))
+        d.extend(0, text[pos : pos + k])
+        pos += k
+        a, b = d.draft([0], 48)[0], d.draft_prefix(text[:pos], 48)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        np.testing.assert_array_equal(a.scores, b.scores)
+
+
+@pytest.mark.parametrize("budget", [0, 1, int(_core.MAX_BUDGET)])
+def test_budgets_zero_one_and_max_on_a_repeated_token(budget):
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=8))
+    d.open(0, np.full(100_000, 9))
+    tree = d.draft([0], budget)[0]
+    assert len(tree) == min(budget, 64)  # one chain of 9s, as deep as the copy source goes (overlapping)
+    assert set(tree.tokens.tolist()) <= {9}
+    assert d.request_memory(0) < 100_000 * 400  # trie + automaton, bounded per token
+
+
+@pytest.mark.parametrize("field,value", [("copy_min_match", 0), ("copy_max_branch_len", -1), ("copy_rate", 0.0),
+                                         ("copy_rate", 1.5), ("copy_occurrences", 4), ("copy_evidence", 0.0),
+                                         ("copy_half_life", -1.0)])
+def test_bad_copy_settings_are_refused_by_name(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        sssd.DrafterConfig(**{field: value})
+
+
+def test_a_periodic_text_goes_on_with_its_period():
+    text = [4, 5, 6] * 10
+    tree = sssd.Drafter(None, sssd.DrafterConfig(budget=40)).draft_prefix(text, 40)
+    assert tree.chain_tokens().tolist()[:40] == ([4, 5, 6] * 14)[:40]
+
+
+def test_the_copy_source_can_be_switched_off():
+    rng = np.random.default_rng(5)
+    doc = rng.integers(10, 1000, 300).tolist()
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=64, copy_max_branch_len=0))
+    tree = d.draft_prefix(doc + [5] + doc[:20], 64)
+    assert tree.depths.max() <= 16  # the n-gram trie's continuations only
