@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sssd.calibration.isotonic import isotonic_fit
-from sssd.config import SOURCE_NAMES, Calibration
+from sssd.config import SOURCE_COPY, SOURCE_NAMES, Calibration
 
 #: Lower edges of the bins (match lengths from 0, depths from 1).
 MATCH_BINS = (0, 1, 2, 3, 4, 6, 9, 13)
@@ -69,6 +69,8 @@ def fit_calibration(nodes: dict[str, np.ndarray], min_cell: int = MIN_CELL, max_
     acc = nodes["accepted"].astype(np.float64)
     curves = []
     for s in SOURCE_NAMES:
+        if s == SOURCE_COPY:
+            continue  # ranked by its own rate (the request's evidence), never by a curve
         in_src = src == s
         if in_src.sum() == 0:
             continue

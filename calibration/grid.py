@@ -4,7 +4,8 @@ The search is staged so that its size stays sane: first the datastore query
 parameters (M, backoff threshold, branch length, adaptive depth, match
 boost) under the default discounts, then the discounts (input-source scale, damping by match length
 and by depth, datastore match damping) under each budget's best query
-parameters. Every setting is replayed at every budget; replays run in
+parameters, then the copy source's knobs (its prior rate, shortest repeat,
+exclusion of the other sources) under each budget's best so far. Every setting is replayed at every budget; replays run in
 worker processes (the datastore is memory-mapped, so they share it).
 """
 
@@ -35,6 +36,9 @@ class GridAxes:
     input_match_damping: tuple[float, ...] = (0.5, 0.8)
     input_depth_decay: tuple[float, ...] = (0.9, 1.0)
     datastore_match_damping: tuple[float, ...] = (0.7, 0.85, 1.0)
+    copy_rate: tuple[float, ...] = (0.7, 0.9, 0.97)
+    copy_min_match: tuple[int, ...] = (6, 8, 12)
+    copy_exclusion: tuple[float, ...] = (0.5, 1.0)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -60,11 +64,16 @@ class GridAxes:
             out.append(base.replace(discounts=disc))
         return out
 
+    def copy_points(self, base: DrafterConfig) -> list[DrafterConfig]:
+        return [base.replace(copy_rate=r, copy_min_match=m, copy_exclusion=x)
+                for r, m, x in itertools.product(self.copy_rate, self.copy_min_match, self.copy_exclusion)]
+
     def size(self) -> int:
         q = (len(self.max_samples) * len(self.min_occurrences) * len(self.datastore_branch_len)
              * len(self.datastore_branch_per_match) * len(self.match_boost))
         d = len(self.input_scale) * len(self.input_match_damping) * len(self.input_depth_decay) * len(self.datastore_match_damping)
-        return q + d
+        c = len(self.copy_rate) * len(self.copy_min_match) * len(self.copy_exclusion)
+        return q + d + c
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Trial:
                 "input_scale": c.discounts.input.scale,
                 "input_match_damping": c.discounts.input.match_damping, "input_depth_decay": c.discounts.input.depth_decay,
                 "datastore_match_damping": c.discounts.datastore.match_damping,
+                "copy_rate": c.copy_rate, "copy_min_match": c.copy_min_match, "copy_exclusion": c.copy_exclusion,
                 "calibrated": c.discounts.calibration is not None}
 
 
@@ -179,7 +189,7 @@ class SearchResult:
 def staged_search(examples: Sequence[Example], datastore_path: str | Path, budgets: Sequence[int], axes: GridAxes,
                   base: DrafterConfig | None = None, workers: int = 0,
                   progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
-    """Query parameters first, then discounts; returns every trial."""
+    """Query parameters first, then discounts, then the copy source; returns every trial."""
     if not budgets:
         raise ValueError("no budgets to calibrate for")
     base = base or DrafterConfig()
@@ -193,4 +203,9 @@ def staged_search(examples: Sequence[Example], datastore_path: str | Path, budge
         stage2 += [Trial(c, b, stage="discounts") for c in axes.discount_points(best_query)]
     evaluate(stage2, examples, datastore_path, workers, (lambda d, t: progress("discounts", d, t)) if progress else None)
     result.trials += stage2
+    stage3 = []
+    for b in budgets:
+        stage3 += [Trial(c, b, stage="copy") for c in axes.copy_points(result.best(b).config)]
+    evaluate(stage3, examples, datastore_path, workers, (lambda d, t: progress("copy source", d, t)) if progress else None)
+    result.trials += stage3
     return result

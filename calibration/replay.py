@@ -137,7 +137,7 @@ def replay(drafter: sssd.Drafter, examples: Sequence[Example], budget: int, *, b
     res = ReplayResult(budget=budget)
     drafted = np.zeros(max_depth + 2, np.int64)
     accepted = np.zeros(max_depth + 2, np.int64)
-    by_source = np.zeros(len(SOURCE_NAMES), np.int64)
+    by_source = np.zeros(max(SOURCE_NAMES) + 1, np.int64)
     rec: dict[str, list] = {k: [] for k in ("source", "depth", "match_len", "prob", "score", "accepted")}
     queue = list(range(len(examples)))[::-1]
     active: dict[int, int] = {}  # request id (= example index) -> position in its output
@@ -170,7 +170,7 @@ def replay(drafter: sssd.Drafter, examples: Sequence[Example], budget: int, *, b
         for d in range(1, int(hits.max()) + 1 if hits.size else 1):
             accepted[d] += int((hits >= d).sum())
         if matched.any():
-            by_source += np.bincount(batch.sources[matched], minlength=len(SOURCE_NAMES))[: len(SOURCE_NAMES)]
+            by_source += np.bincount(batch.sources[matched], minlength=by_source.size)[: by_source.size]
         if record_nodes:
             rec["source"].append(batch.sources)
             rec["depth"].append(batch.depths)

@@ -24,6 +24,7 @@ from sssd import _core  # noqa: E402
 from sssd._core import SSSDError, UnknownRequestError
 from sssd.config import (
     Calibration,
+    SOURCE_COPY,
     SOURCE_DATASTORE,
     SOURCE_EXTERNAL,
     SOURCE_INPUT,
@@ -85,6 +86,7 @@ __all__ = [
     "TokenRecycling",
     "DEFAULT",
     "SEPARATOR",
+    "SOURCE_COPY",
     "SOURCE_DATASTORE",
     "SOURCE_EXTERNAL",
     "SOURCE_INPUT",

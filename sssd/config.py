@@ -25,7 +25,9 @@ CALIBRATION_VERSION = 1
 SOURCE_DATASTORE = 0
 SOURCE_INPUT = 1
 SOURCE_EXTERNAL = 2
-SOURCE_NAMES = {SOURCE_DATASTORE: "datastore", SOURCE_INPUT: "input", SOURCE_EXTERNAL: "external"}
+#: The copy source's nodes (the request's own long repeats, followed deep; part of the input source).
+SOURCE_COPY = 15
+SOURCE_NAMES = {SOURCE_DATASTORE: "datastore", SOURCE_INPUT: "input", SOURCE_EXTERNAL: "external", SOURCE_COPY: "copy"}
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,8 @@ class DrafterConfig:
             splits.
         input_max_match: P, longest context suffix matched in the input's n-gram trie (paper: 4).
         input_branch_len: longest continuation of those short matches.
-        copy_min_match: the copy source (part of the input source): the longest earlier
+        copy_min_match: the copy source (part of the input source; its nodes are tagged
+            SOURCE_COPY): the longest earlier
             occurrence of the context's suffix, of any length, found by the request's suffix
             automaton, is followed when it is at least this many tokens long.
         copy_branch_per_match / copy_max_branch_len: a repeat of m tokens is followed
@@ -196,6 +199,13 @@ class DrafterConfig:
             depth d is ranked by its depth-1 priority times rate^(d - 1), where the rate is the
             request's own: how often its repeats predicted its next token (decaying with
             copy_half_life tokens), blended with this prior worth copy_evidence tokens.
+        copy_exclusion: where a copy is drafted, the other sources' guesses differ from it, so
+            they are ranked as needing the copy to be wrong: their priorities times
+            (1 - copy_exclusion * rate) (0: off).
+        copy_edit_weight: a request's edits (what it wrote instead of its source, remembered
+            when the copy rejoins the source) are applied again where the source has them again:
+            an edited path beside the unedited one, weighed by this times how often the edit was
+            made again at its sites so far (0: off).
         copy_max_tokens: cap on a request's suffix automaton (<= 180 bytes per token).
         use_datastore / use_input: enable each source (the copy source is part of the input).
         end_token: token drafted where a datastore document ends (e.g. the
@@ -225,6 +235,8 @@ class DrafterConfig:
     copy_rate: float = 0.9
     copy_evidence: float = 4.0
     copy_half_life: float = 32.0
+    copy_exclusion: float = 1.0
+    copy_edit_weight: float = 1.0
     copy_max_tokens: int = 1 << 20
     use_datastore: bool = True
     use_input: bool = True
@@ -280,6 +292,8 @@ class DrafterConfig:
         p.copy_rate = float(self.copy_rate)
         p.copy_evidence = float(self.copy_evidence)
         p.copy_half_life = float(self.copy_half_life)
+        p.copy_exclusion = float(self.copy_exclusion)
+        p.copy_edit_weight = float(self.copy_edit_weight)
         p.copy_max_tokens = self.copy_max_tokens
         p.vocab_size = self.vocab_size or vocab_size or 0
         max_match = max(self.datastore_max_match, self.input_max_match)

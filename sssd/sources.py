@@ -38,12 +38,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sssd.config import SourceDiscount
+from sssd.config import SOURCE_COPY, SourceDiscount
 
 log = logging.getLogger("sssd.drafting")
 
-#: Draft sources a pipeline merges besides retrieval (source tags 2..15 in the C++ merge).
-MAX_EXTERNAL = 14
+#: Draft sources a pipeline merges besides retrieval (source tags 2..14 in the C++ merge; 15 is the copy source's).
+MAX_EXTERNAL = 13
 
 #: Kinds of the draft spec grammar, and what each names.
 SPEC_KINDS = {
@@ -465,7 +465,8 @@ class DraftPipeline:
         return source
 
     def _sources_changed(self) -> None:
-        self.source_names = {0: "datastore", 1: "input", **{2 + i: s.name for i, s in enumerate(self.external)}}
+        self.source_names = {0: "datastore", 1: "input", **{2 + i: s.name for i, s in enumerate(self.external)},
+                             SOURCE_COPY: "copy"}
         self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
 
     def _fit_merge(self, sources: Sequence[DraftSource]) -> None:

@@ -70,9 +70,9 @@ def test_each_budget_takes_the_largest_calibrated_budget_not_above_it(tmp_path):
 
 
 def test_the_pipeline_drafts_each_step_with_the_entry_of_its_budget(store):
-    # Entry 4 drafts from the request's own tokens only, entry 16 from the datastore only:
-    # a tree's sources show which entry drafted it. Their input depths differ (6+3 vs 2+12).
-    entries = {4: sssd.DrafterConfig(use_datastore=False, input_max_match=6, input_branch_len=3),
+    # Entry 4 drafts from the request's own n-grams only (no copy source), entry 16 from the datastore
+    # only: a tree's sources show which entry drafted it. Their input depths differ (6+3 vs 2+12).
+    entries = {4: sssd.DrafterConfig(use_datastore=False, input_max_match=6, input_branch_len=3, copy_max_branch_len=0),
                16: sssd.DrafterConfig(use_input=False, input_max_match=2, input_branch_len=12)}
     cal = CalibrationFile.from_dict(calibration_dict(entries))
     pipe = DraftPipeline([RetrievalSource(store, None)], cal, vocab_size=100)

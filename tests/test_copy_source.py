@@ -193,3 +193,37 @@ def test_the_copy_source_can_be_switched_off():
     d = sssd.Drafter(None, sssd.DrafterConfig(budget=64, copy_max_branch_len=0))
     tree = d.draft_prefix(doc + [5] + doc[:20], 64)
     assert tree.depths.max() <= 16  # the n-gram trie's continuations only
+
+
+def test_an_edit_made_once_is_proposed_again_where_the_source_has_it_again():
+    """A rename: the copy remembers what it wrote instead of the source, and drafts it again."""
+    rng = np.random.default_rng(6)
+    body = [int(x) for x in rng.integers(100, 1000, 120)]
+    old, new = 42, 43
+    for i in (10, 40, 70, 100):
+        body[i] = old
+    edited = [new if t == old else t for t in body]
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=64))
+    # the copy has written the first renamed site and gone on past it
+    prefix = body + [7, 8] + edited[:30]
+    trie = _core.RequestTrie(20, 1 << 22, 1 << 20, 8, 32.0)
+    trie.extend(np.asarray(prefix, dtype=np.uint32))
+    assert (old, [], [new]) in [(a, r, i) for a, r, i in trie.copy_edits] or \
+        any(r == [old] and i == [new] for _, r, i in trie.copy_edits)
+    tree = d.draft_prefix(prefix, 64)
+    paths = {tuple(p) for p in tree_paths(tree)}
+    assert any(p[:20] == tuple(edited[30:50]) for p in paths)  # the next site (40) edited as before
+
+
+def tree_paths(tree):
+    kids: dict[int, list[int]] = {}
+    for k, p in enumerate(tree.parents.tolist()):
+        kids.setdefault(p, []).append(k)
+    out, stack = [], [(-1, [])]
+    while stack:
+        node, path = stack.pop()
+        if node not in kids:
+            out.append(path)
+        for c in kids.get(node, []):
+            stack.append((c, path + [int(tree.tokens[c])]))
+    return out

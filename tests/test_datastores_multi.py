@@ -104,7 +104,7 @@ def test_pipeline_adds_and_removes_a_source_for_running_requests(stores, plain):
     merge = pipe.drafter
     src = add_datastore(pipe, sssd.Datastore.open(stores["answers"]), discount=sssd.SourceDiscount(scale=0.5))
     assert pipe.drafter is not merge and pipe._discounts == (src.discount,)
-    assert pipe.source_names == {0: "datastore", 1: "input", 2: "answers"}
+    assert pipe.source_names == {0: "datastore", 1: "input", 2: "answers", 15: "copy"}
     assert sorted(pipe.drafter.request_ids()) == [1, 2] and len(src) == 2
     assert pipe.drafter.context(1).tolist() == PROMPTS[0] + plain[0][:2]
     assert src._drafter.context(1).tolist() == PROMPTS[0] + plain[0][:2]  # opened with its tokens so far
@@ -125,7 +125,7 @@ def test_pipeline_adds_and_removes_a_source_for_running_requests(stores, plain):
     with pytest.raises(KeyError):
         pipe.remove_source("nope")
     assert pipe.remove_source("answers") is src and len(src) == 0  # closed for every request
-    assert pipe.source_names == {0: "datastore", 1: "input", 2: "answers-2"}
+    assert pipe.source_names == {0: "datastore", 1: "input", 2: "answers-2", 15: "copy"}
     assert pipe.draft([DraftRequest(2, np.array(PROMPTS[1] + plain[1][:1]), 8)]).sources.max() <= 2
     pipe.close(1)
     assert len(second) == 1

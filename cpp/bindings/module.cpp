@@ -335,6 +335,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         const uint32_t c = t.copy().cursor();
         return c == sssd::CopyIndex::kNoCursor ? py::none() : py::object(py::int_(c));
       })
+      .def_property_readonly("copy_edits", [](const sssd::RequestTrie& t) {
+        py::list out;
+        for (const auto& e : t.copy().edits()) out.append(py::make_tuple(e.anchor, e.removed, e.inserted));
+        return out;
+      }, "the remembered edits, most recent first: (anchor, removed tokens, inserted tokens)")
       .def("resync", [](const sssd::RequestTrie& t) {
         const auto r = t.copy().resync(t.tokens());
         return py::make_tuple(r.length, r.end);
@@ -383,6 +388,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def_readwrite("copy_rate", &sssd::DrafterParams::copy_rate)
       .def_readwrite("copy_evidence", &sssd::DrafterParams::copy_evidence)
       .def_readwrite("copy_half_life", &sssd::DrafterParams::copy_half_life)
+      .def_readwrite("copy_exclusion", &sssd::DrafterParams::copy_exclusion)
+      .def_readwrite("copy_edit_weight", &sssd::DrafterParams::copy_edit_weight)
       .def_readwrite("copy_max_tokens", &sssd::DrafterParams::copy_max_tokens)
       .def_readwrite("scores", &sssd::DrafterParams::scores)
       .def_readwrite("vocab_size", &sssd::DrafterParams::vocab_size);

@@ -29,7 +29,7 @@ struct Drafter::Scratch {
   std::vector<double> external_path;
   std::vector<SourceTree> trees;
   ContinuationTree copy_tree;
-  std::vector<token_t> copy_path;
+  std::vector<token_t> copy_path, copy_edited;
   TreeMerger merger;
 };
 
@@ -53,6 +53,10 @@ void check_params(const DrafterParams& p) {
                  p.copy_evidence);
   SSSD_CHECK_ARG(p.copy_half_life >= 0 && p.copy_half_life <= 1e9, "copy_half_life must be in [0, 1e9], got ",
                  p.copy_half_life);
+  SSSD_CHECK_ARG(p.copy_exclusion >= 0 && p.copy_exclusion <= 1, "copy_exclusion must be in [0, 1], got ",
+                 p.copy_exclusion);
+  SSSD_CHECK_ARG(p.copy_edit_weight >= 0 && p.copy_edit_weight <= 1e6, "copy_edit_weight must be in [0, 1e6], got ",
+                 p.copy_edit_weight);
   SSSD_CHECK_ARG(p.vocab_size <= uint64_t(kMaxTokenId) + 1, "vocab_size must be <= 2^32 - 1, got ",
                  p.vocab_size);
 }
@@ -251,19 +255,28 @@ void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<
   ContinuationTree& t = s.copy_tree;
   t.clear();
   std::vector<token_t>& path = s.copy_path;
+  std::vector<token_t>& edited = s.copy_edited;
   for (int i = 0; i < std::min(r.count, p.copy_occurrences); ++i) {
-    // What followed the occurrence, read on into the copy itself where it runs into the
-    // context's end (an overlapping copy, as LZ77's: periodic text goes on with its period).
     const size_t start = size_t(r.ends[i]) + 1;  // < context.size(): an earlier end
-    path.clear();
-    for (size_t k = 0; k < size_t(depth); ++k) {
-      const size_t at = start + k;
-      path.push_back(at < context.size() ? context[at] : path[at - context.size()]);
+    copy.follow(context, start, size_t(depth), false, path);
+    const CopyIndex::Edit* edit = nullptr;
+    if (p.copy_edit_weight > 0 && !copy.edits().empty()) {  // the same with the request's edits again
+      edit = copy.follow(context, start, size_t(depth), true, edited);
     }
-    t.add_path(path);
+    if (!edit) {
+      t.add_path(path);
+      continue;
+    }
+    // Both, weighed by how often the first edit on the way was made again where it could be.
+    const double q = std::min(1.0, edit->odds() * p.copy_edit_weight);
+    t.add_path(path, float(1.0 - q));
+    t.add_path(edited, float(q));
   }
-  SourceTree v = t.view(Source::kInput, int(std::min<uint32_t>(r.length, 1u << 20)), depth);
+  SourceTree v = t.view(Source::kCopy, int(std::min<uint32_t>(r.length, 1u << 20)), depth);
   v.depth_rate = copy.rate(p.copy_rate, p.copy_evidence);
+  // The other sources' guesses differ from the copy's (where they agree, the copy's node is the
+  // same draft node): they need the copy to be wrong.
+  for (SourceTree& other : s.trees) other.scale *= 1.0 - p.copy_exclusion * v.depth_rate;
   s.trees.push_back(v);
 }
 
@@ -336,8 +349,8 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
         }
         if (!external->sources.empty()) {
           const int tag = external->sources[size_t(i)];
-          SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < kMaxSources, "external source[", i, "] = ", tag,
-                         " must be in [", int(Source::kExternal), ", ", kMaxSources, ")");
+          SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < int(Source::kCopy), "external source[", i, "] = ",
+                         tag, " must be in [", int(Source::kExternal), ", ", int(Source::kCopy), ")");
           const int32_t p = parents[size_t(i - begin)];
           SSSD_CHECK_ARG(p < 0 || external->sources[size_t(begin + p)] == tag, "external node ", i,
                          " hangs under a node of another source");

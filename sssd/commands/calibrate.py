@@ -213,7 +213,7 @@ def _grid(args: argparse.Namespace):
         for v in vs:
             try:
                 one = GridAxes(**dict(first, **{f: (v,)}))
-                one.query_points(DrafterConfig()) + one.discount_points(DrafterConfig())
+                one.query_points(DrafterConfig()) + one.discount_points(DrafterConfig()) + one.copy_points(DrafterConfig())
             except ValueError as e:
                 raise ValueError(f"argument --{f.replace('_', '-')}: {v} is refused: {e}") from None
     return GridAxes(**values)

@@ -14,6 +14,7 @@ examples:
   sssd groundtruth --dataset gsm8k --limit 200 --threads 1
   sssd groundtruth --dataset humaneval --model qwen2.5-coder-1.5b-instruct
   sssd groundtruth --dataset sharegpt-heldout            (recorded answers; no generation)
+  sssd groundtruth --dataset code-edits --recorded        (the reference edits as the outputs)
   sssd groundtruth --prompts my_prompts.jsonl --model ./my-hf-model -o out.jsonl
 
 Output: <sssd cache>/groundtruth/<model>/<dataset>.jsonl unless -o is given. Rerunning
@@ -57,6 +58,9 @@ def setup(p: argparse.ArgumentParser):
                    help="sharegpt-heldout: the first assistant turn of each conversation, or every one")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                    help="prompt with the plain text (base models without a chat template)")
+    p.add_argument("--recorded", action="store_true",
+                   help="write each prompt's reference answer as its output instead of generating (always so for "
+                        "sharegpt-heldout; the copy-heavy sets' references stand for a capable model's answers)")
     p.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming it")
     p.add_argument("--contamination", action="store_true",
                    help="afterwards, measure how much of each output occurs verbatim in --datastore (always on for "
@@ -84,7 +88,7 @@ def setup(p: argparse.ArgumentParser):
             raise ValueError(f"empty prompt set {name!r}: nothing to do")
         common = dict(dataset=name, chat_template=args.chat_template, overwrite=args.overwrite,
                       progress=not args.quiet, log=log)
-        if name == "sharegpt-heldout":
+        if name == "sharegpt-heldout" or args.recorded:
             summary = ground_truth.record(args.model, records, args.output, **common)
         else:
             summary = ground_truth.generate(args.model, records, args.output, max_new_tokens=args.max_new_tokens,

@@ -26,12 +26,20 @@
 // text it edits within a few tokens, long before a new repeat is long enough
 // to be trusted on its own (prompt lookup's n-gram matching finds such short
 // matches anywhere; near the cursor they are far less ambiguous).
+//
+// Edits: when the copy rejoins its source, what it wrote instead of what the
+// source had is remembered (the last kEdits of them): source tokens removed,
+// tokens inserted, and the source token before them. Code edits repeat
+// themselves (a renamed variable, a changed indentation, a constant), so a
+// copy path read from the source also comes in an edited version, every
+// remembered edit applied where the source has it again; the draft branches
+// between the two.
 #pragma once
 
 #include <cmath>
-#include <algorithm>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "sssd/suffix_automaton.h"
 #include "sssd/types.h"
@@ -47,53 +55,49 @@ struct CopySettings {
 
 class CopyIndex {
  public:
-  /// max_tokens: the automaton's cap (0: no copy source); min_match: shortest repeat that
-  /// predicts; half_life: trials after which evidence weighs half.
-  CopyIndex(size_t max_tokens, int min_match, double half_life)
-      : sam_(max_tokens), enabled_(max_tokens > 0), min_match_(min_match),
-        decay_(half_life > 0 ? std::exp2(-1.0 / half_life) : 0.0) {}
-
   /// Where a resync found the context again: its last `length` tokens end at `end`.
   struct Resync {
     uint32_t length = 0;  ///< 0: not found
     uint32_t end = 0;
   };
-  /// Tokens searched after the cursor for a resync, and the most matched.
+  /// A remembered edit: where the source had `anchor` then `removed`, the copy wrote `anchor`
+  /// then `inserted`. With `removed` empty it is an insertion after `anchor`; otherwise the
+  /// removed tokens alone locate it.
+  struct Edit {
+    token_t anchor;
+    std::vector<token_t> removed, inserted;
+    double applied = 1, skipped = 0;  ///< sites of it the copy passed since, edited or not (the first: edited)
+
+    /// The probability that the copy edits the next site too (a prior of half an application
+    /// and one and a half skips: a fresh edit is even odds).
+    double odds() const { return (applied + 0.5) / (applied + skipped + 2.0); }
+  };
+  /// Tokens searched after the cursor for a resync, the most matched, and how near the cursor
+  /// one token is enough.
   static constexpr uint32_t kWindow = 64, kResyncMax = 8, kNear = 3;
+  /// Edits remembered, and the longest side of one.
+  static constexpr size_t kEdits = 8, kEditMax = 32;
+  static constexpr uint32_t kNoCursor = 0xffffffffu;
+
+  /// max_tokens: the automaton's cap (0: no copy source); min_match: shortest repeat that
+  /// predicts; half_life: trials after which evidence weighs half.
+  CopyIndex(size_t max_tokens, int min_match, double half_life);
 
   /// Appends `token` to a text whose tokens so far are `text`.
-  void append(std::span<const token_t> text, token_t token) {
-    if (!enabled_) return;
-    const SuffixAutomaton::Repeat r = sam_.longest_repeat();
-    if (r.length >= uint32_t(min_match_) && r.count > 0) {
-      hits_ = decay_ * hits_ + (text[r.ends[0] + 1] == token ? 1.0 : 0.0);
-      trials_ = decay_ * trials_ + 1.0;
-    }
-    const bool follows = cursor_ != kNoCursor && size_t(cursor_) + 1 < text.size() && text[cursor_ + 1] == token;
-    sam_.extend(token);
-    const SuffixAutomaton::Repeat now = sam_.longest_repeat();
-    if (now.length >= uint32_t(min_match_) && now.count > 0) {
-      cursor_ = now.ends[0];
-    } else if (follows) {
-      ++cursor_;
-    }
-  }
+  void append(std::span<const token_t> text, token_t token);
 
   /// The context's longest suffix (up to kResyncMax tokens) that ends within kWindow tokens after
   /// the cursor (and before the context's end), the nearest among equals; one token is enough
   /// within kNear tokens of the cursor (a token replaced in place), elsewhere two.
-  Resync resync(std::span<const token_t> context) const {
-    Resync best;
-    if (!enabled_ || cursor_ == kNoCursor || context.size() < 2) return best;
-    const size_t n = context.size();
-    const size_t last = std::min(n - 2, size_t(cursor_) + kWindow);
-    for (size_t e = cursor_; e <= last; ++e) {
-      uint32_t m = 0;
-      while (m < kResyncMax && m <= e && context[e - m] == context[n - 1 - m] && e - m != n - 1 - m) ++m;
-      if (m > best.length && (m >= 2 || e <= size_t(cursor_) + kNear)) best = {m, uint32_t(e)};
-    }
-    return best;
-  }
+  Resync resync(std::span<const token_t> context) const { return resync_from(context, cursor_); }
+
+  /// The source read from `start` for up to `depth` tokens into `out` (cleared first): an
+  /// overlapping copy where it runs into the context's end (periodic text goes on with its
+  /// period); with `edited`, every remembered edit applied where the source has it again
+  /// (most recent first), and the path stops at the context's end.
+  /// Returns the first edit applied (nullptr: none).
+  const Edit* follow(std::span<const token_t> context, size_t start, size_t depth, bool edited,
+                     std::vector<token_t>& out) const;
 
   /// The longest repeated suffix of the text (length 0 if none, disabled or capped).
   SuffixAutomaton::Repeat repeat() const { return enabled_ ? sam_.longest_repeat() : SuffixAutomaton::Repeat{}; }
@@ -103,21 +107,29 @@ class CopyIndex {
   double rate(double prior, double pseudo) const { return (hits_ + prior * pseudo) / (trials_ + pseudo); }
 
   double hits() const { return hits_; }
+  double trials() const { return trials_; }
   /// The copy's reading position (kNoCursor: none yet).
   uint32_t cursor() const { return cursor_; }
-  static constexpr uint32_t kNoCursor = 0xffffffffu;
-  double trials() const { return trials_; }
+  bool aligned() const { return aligned_; }
+  const std::vector<Edit>& edits() const { return edits_; }
   bool enabled() const { return enabled_; }
   const SuffixAutomaton& automaton() const { return sam_; }
-  size_t memory_bytes() const { return sam_.memory_bytes(); }
+  size_t memory_bytes() const;
 
  private:
+  Resync resync_from(std::span<const token_t> context, uint32_t cursor) const;
+  void count_site(std::span<const token_t> text, token_t token);
+  void remember(std::span<const token_t> text, token_t token, uint32_t source_end, uint32_t matched);
+
   SuffixAutomaton sam_;
   bool enabled_;
   int min_match_;
   double decay_;
   double hits_ = 0, trials_ = 0;
   uint32_t cursor_ = kNoCursor;
+  bool aligned_ = false;          // the output follows the cursor (else it diverged there)
+  uint32_t diverged_at_ = 0;      // text position of the first token that left the source
+  std::vector<Edit> edits_;       // most recent first
 };
 
 }  // namespace sssd

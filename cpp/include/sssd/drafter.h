@@ -32,7 +32,7 @@ struct DrafterParams {
   int input_branch_len = 16;         ///< longest input continuation
   size_t input_max_nodes = size_t(1) << 22;  ///< per-request trie cap (<= ~100 B/node)
   // The copy source (copy_index.h): the longest earlier occurrence of the context's suffix,
-  // followed deep. Part of the input source (its nodes carry Source::kInput and the match length).
+  // followed deep; part of the input source (use_input), its nodes tagged Source::kCopy.
   int copy_min_match = 8;            ///< shortest repeat followed (and that counts as evidence)
   double copy_branch_per_match = 0;  ///< adaptive depth: a repeat of m tokens followed m times this far (0: off) ...
   int copy_max_branch_len = 64;      ///< ... up to this many tokens (0: no copy source)
@@ -40,6 +40,8 @@ struct DrafterParams {
   double copy_rate = 0.9;            ///< prior probability that a copy continues one more token
   double copy_evidence = 4;          ///< the prior's weight, in trials of the request's own evidence
   double copy_half_life = 32;        ///< trials after which the request's evidence weighs half
+  double copy_exclusion = 1;         ///< other sources' priorities times (1 - this * the copy's rate)
+  double copy_edit_weight = 1;       ///< an edited path's weight: this times its edit's odds of being made again (0: off)
   size_t copy_max_tokens = size_t(1) << 20;  ///< per-request automaton cap (<= 180 B/token)
   ScoreTable scores;                 ///< discounts of the merge
   uint64_t vocab_size = 0;           ///< token ids must be < this (0: any id < 2^32 - 1)

@@ -41,6 +41,9 @@ struct SourceTree {
   /// per-request rate of continuing one more token: an acceptance probability, calibrated by
   /// the request's own evidence) instead of the table's.
   double depth_rate = 0;
+  /// Every priority of the tree is multiplied by this (where a confident copy makes the other
+  /// sources' different guesses less likely: by the probability that the copy is wrong).
+  double scale = 1;
 
   /// No continuations. (A lazy tree's root may look childless before it is
   /// expanded; its total decides.)

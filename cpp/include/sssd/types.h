@@ -23,10 +23,11 @@ enum class Source : uint8_t {
   kDatastore = 0,  ///< the offline suffix-array datastore
   kInput = 1,      ///< the request's own prompt + generated tokens
   kExternal = 2,   ///< the first tree supplied by the caller (e.g. a model drafter)
+  kCopy = 15,      ///< the request's own text, a long repeat followed deep (copy_index.h)
 };
 /// Sources of a default score table (datastore, input, one external).
 inline constexpr int kNumSources = 3;
-/// Source tags are below this (so at most kMaxSources - 2 external sources).
+/// Source tags are below this; external tags below kCopy (so at most 13 external sources).
 inline constexpr int kMaxSources = 16;
 
 }  // namespace sssd
