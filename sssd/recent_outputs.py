@@ -23,7 +23,7 @@ tokens (newest first, at most `max_chain` positions), measure each
 occurrence's match length backwards (at most `max_match`), keep the
 occurrences with the longest match among other requests' tokens that have
 a continuation (at most `max_matches`, newest first), follow each for
-`depth` tokens, and merge the paths into a trie whose weights are counts
+`depth` tokens (adaptive: longer matches further, up to 64), and merge the paths into a trie whose weights are counts
 (a child's weight: the share of its parent's occurrences that continue
 with it; the first level is damped for matches shorter than `max_match`).
 
@@ -48,8 +48,11 @@ MAX_MATCH = 8
 MIN_MATCH = 2
 #: Occurrences merged into one request's draft.
 MAX_MATCHES = 16
-#: Tokens followed after each occurrence.
-DEPTH = 16
+#: Tokens followed after each occurrence: DEPTH_PER_MATCH per token of the request's longest match,
+#: at least MIN_DEPTH and at most DEPTH (a full match is followed as deep as a copy of the request's own text).
+DEPTH = 64
+MIN_DEPTH = 16
+DEPTH_PER_MATCH = 8.0
 #: Hash-chain positions examined per request and step.
 MAX_CHAIN = 64
 #: First-level weight factor per token a match falls short of MAX_MATCH.
@@ -62,7 +65,8 @@ class RecentOutputs(DraftSource):
     Args:
         capacity: tokens the store holds; the oldest are forgotten first.
         max_match / min_match: longest suffix matched, shortest that drafts (>= 2).
-        max_matches: occurrences merged per draft; depth: tokens followed after each.
+        max_matches: occurrences merged per draft; depth: tokens followed after each, at most (a request
+            whose longest match is m tokens follows max(MIN_DEPTH, m * depth_per_match) of them).
         max_chain: hash-chain positions examined per request and step.
         discount: the source's weight in the merge.
     """
@@ -72,7 +76,7 @@ class RecentOutputs(DraftSource):
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, max_match: int = MAX_MATCH, min_match: int = MIN_MATCH,
                  max_matches: int = MAX_MATCHES, depth: int = DEPTH, max_chain: int = MAX_CHAIN,
-                 discount: SourceDiscount | None = None):
+                 discount: SourceDiscount | None = None, depth_per_match: float = DEPTH_PER_MATCH):
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2 tokens, got {capacity}")
         if not 2 <= min_match <= max_match:
@@ -82,6 +86,9 @@ class RecentOutputs(DraftSource):
         self.capacity = int(capacity)
         self.max_match, self.min_match = int(max_match), int(min_match)
         self.max_matches, self.depth, self.max_chain = int(max_matches), int(depth), int(max_chain)
+        if depth_per_match < 0:
+            raise ValueError(f"depth_per_match must be >= 0, got {depth_per_match}")
+        self.depth_per_match = float(depth_per_match)
         if discount is not None:
             self.discount = discount
         n = self.capacity
@@ -164,7 +171,10 @@ class RecentOutputs(DraftSource):
                 return [None] * R
             rows, starts, lengths = found
             paths = self._follow(starts, depth)
-        paths[np.arange(depth)[None, :] >= budgets[rows][:, None]] = -1  # deeper than the budget reaches
+        best = np.zeros(R, dtype=np.int64)
+        np.maximum.at(best, rows, lengths)
+        reach = np.minimum(budgets, np.clip((best * self.depth_per_match).astype(np.int64), MIN_DEPTH, self.depth))
+        paths[np.arange(depth)[None, :] >= reach[rows][:, None]] = -1  # deeper than the match or budget warrants
         return _tries(rows, paths, lengths, R, self.max_match)
 
     def _matches(self, query: np.ndarray, ids: np.ndarray):

@@ -20,9 +20,9 @@ from tiny_models import tiny_model
 class Reference:
     """The store as a list of (request id, token, previous write of that request) in write order."""
 
-    def __init__(self, capacity, max_match=8, min_match=2, max_matches=16, depth=16):
+    def __init__(self, capacity, max_match=8, min_match=2, max_matches=16, depth=64, min_depth=16, per_match=8.0):
         self.capacity, self.max_match, self.min_match = capacity, max_match, min_match
-        self.max_matches, self.depth = max_matches, depth
+        self.max_matches, self.depth, self.min_depth, self.per_match = max_matches, depth, min_depth, per_match
         self.log: list[tuple[int, int, int]] = []
         self.last: dict[int, int] = {}
 
@@ -52,10 +52,11 @@ class Reference:
             return {}
         best = max(n for n, _ in found)
         chosen = [a for n, a in found if n == best][: self.max_matches]
+        reach = min(self.depth, max(self.min_depth, int(best * self.per_match)))  # longer matches followed further
         counts: dict[tuple, int] = {}
         for a in chosen:
             path, at = (), nxt.get(a)
-            while at is not None and len(path) < min(self.depth, budget):
+            while at is not None and len(path) < min(reach, budget):
                 path += (self.log[at][1],)
                 counts[path] = counts.get(path, 0) + 1
                 at = nxt.get(at)
@@ -95,7 +96,7 @@ def test_drafts_equal_the_brute_force_store(seed, capacity):
         src.extend(rid, np.array(new))
         ref.append(rid, new)
         contexts[rid] += new
-        requests = [DraftRequest(r, np.array(ctx), int(rng.integers(1, 20))) for r, ctx in contexts.items()]
+        requests = [DraftRequest(r, np.array(ctx), int(rng.integers(1, 80))) for r, ctx in contexts.items()]
         for req, c in zip(requests, src.propose(requests)):
             want = ref.draft(req.request_id, list(req.tokens), req.budget)
             assert (as_paths(c) if c is not None else {}) == pytest.approx(want), f"step {step}, request {req.request_id}"
