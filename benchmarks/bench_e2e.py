@@ -55,8 +55,7 @@ def load_prompts(dataset: str, n: int):
     """Chat prompts from a packaged evaluation set (see sssd.calibration.datasets)."""
     from sssd.calibration import datasets
 
-    loaders = {"mtbench": datasets.mtbench, "gsm8k": datasets.gsm8k, "humaneval": datasets.humaneval}
-    records = loaders[dataset]()
+    records = datasets.load(dataset)  # also the copy-heavy sets (code-edits, agent-traces, quoting)
     eval_part = datasets.split(records, "eval")  # the calibration tool never saw these
     return [r.messages for r in eval_part[:n]]
 

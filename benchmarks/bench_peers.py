@@ -191,7 +191,10 @@ def load_sets(datastore: sssd.Datastore, args) -> tuple[list[EvalSet], list[str]
     explicit = dict(kv.split("=", 1) for kv in args.groundtruth)
     for name in args.sets:
         end_ids: list[int] = []
-        if name in COPY_SETS:
+        if name in COPY_SETS and (found := groundtruth(name, args.gt_model, explicit, datastore))[0] is not None:
+            path, header, items = found  # `sssd groundtruth --dataset NAME --recorded`: the references, tokenized
+            source = f"{path} ({header.get('generation', {}).get('mode', '?')})"
+        elif name in COPY_SETS:
             try:
                 source, items = reference_items(name, datastore, args.gt_model)
             except Exception as e:  # noqa: BLE001 - e.g. the model is not pulled: reported, the set skipped
@@ -273,9 +276,14 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
             notes.append("ADED: skipped: draftretriever is not installed (bash benchmarks/peers/setup_arctic.sh)")
     if "suffix" in want:
         if suffix_decoding.available():
-            print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
-            warm = suffix_decoding.WarmCache(datastore.tokens, max_tree_depth=64)
-            notes.append(f"SuffixDecoding: global tree warmed with {warm.documents:,} documents in {warm.warm_seconds:.0f} s")
+            if args.suffix_global == "corpus":
+                print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
+                warm = suffix_decoding.WarmCache(datastore.tokens, max_tree_depth=64)
+                notes.append(f"SuffixDecoding: global tree warmed with {warm.documents:,} documents in "
+                             f"{warm.warm_seconds:.0f} s")
+            else:  # its per-request trees only (what copy-heavy work uses it for)
+                warm = suffix_decoding.WarmCache(np.zeros(0, dtype=np.uint32), max_tree_depth=64)
+                notes.append("SuffixDecoding: per-request trees only (--suffix-global none)")
             # Tree mode, factor 1-64, min prob 0.01-0.1: its fast settings (factor 64, min prob 0.01 is its
             # best-quality fast one, 50-85 us per call). Min prob 0 pushes every child onto its heap and costs
             # 1-6 ms a call (hours for the sweep): only with --suffix-slow.
@@ -441,6 +449,9 @@ def main() -> int:
                     "(sssd.calibration.datasets.DEV_FRACTION; keep it equal to the calibration's)")
     ap.add_argument("--sssd-config", help="calibrated SSSD parameter file (sssd calibrate), also reported")
     ap.add_argument("--no-ablation", action="store_true", help="skip SSSD input-only / datastore-only")
+    ap.add_argument("--suffix-global", choices=("corpus", "none"), default="corpus",
+                    help="SuffixDecoding's global tree: warmed with the datastore's documents, or none (its "
+                         "per-request trees only)")
     ap.add_argument("--suffix-slow", action="store_true",
                     help="also sweep SuffixDecoding at min_token_prob 0 (1-6 ms per call: slow)")
     ap.add_argument("--gt-model", default="smollm2-135m-instruct", help="model whose ground-truth files to use "
