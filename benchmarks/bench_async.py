@@ -35,15 +35,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from bench_e2e import load_prompts, summarize  # noqa: E402
 from common import Recorder, machine  # noqa: E402
 
-import torch  # noqa: E402
-
-from sssd.serving.async_draft import ModeChooser  # noqa: E402
+from sssd.serving.drafting.async_draft import ModeChooser  # noqa: E402
+from sssd.serving.drafting.model_drafter import DEFAULT_EXPANSION, ModelDrafter  # noqa: E402
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
-from sssd.serving.model_drafter import DEFAULT_EXPANSION, ModelDrafter  # noqa: E402
-from sssd.serving.params import SamplingParams  # noqa: E402
+from sssd.serving.engine.params import SamplingParams  # noqa: E402
 
 MODES = ("serial", "async", "async-split", "auto")
 FIGURES = Path(__file__).resolve().parent / "figures"

@@ -22,9 +22,9 @@ import argparse
 import time
 
 import numpy as np
+from common import Recorder, machine
 
 import sssd
-from common import Recorder, machine
 
 
 def contexts(ds: sssd.Datastore, count: int, low: int, high: int, seed: int) -> list[np.ndarray]:

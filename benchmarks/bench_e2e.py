@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, Recorder, machine  # noqa: E402
 
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
-from sssd.serving.params import SamplingParams  # noqa: E402
+from sssd.serving.engine.params import SamplingParams  # noqa: E402
 
 
 def load_prompts(dataset: str, n: int):

@@ -51,24 +51,24 @@ class Timed:
 
 
 def model_of(engine):
-    backend = getattr(engine, "backend", None) or getattr(engine, "runner")  # older engines: engine.runner
+    backend = getattr(engine, "backend", None) or engine.runner  # older engines: engine.runner
     return backend.model
 
 
 def measure(engine, timers, batch: int, steps: int, max_tokens: int) -> dict:
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     body, head = timers
     for i in range(batch):
         engine.add_request([{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}],
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    while engine.num_decode < batch:  # admit and prefill everyone first
+    while len(engine.decoding()) < batch:  # admit and prefill everyone first
         engine.step()
     m = engine.metrics
     b0, h0, d0, n0 = body.seconds, head.seconds, m.draft_time.sum, m.steps
     wall = 0.0
     timed = 0
-    while timed < steps and engine.num_decode == batch:
+    while timed < steps and len(engine.decoding()) == batch:
         t0 = time.perf_counter()
         engine.step()
         wall += time.perf_counter() - t0

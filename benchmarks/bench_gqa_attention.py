@@ -7,14 +7,16 @@ tokens/s and the forward time per decode step.
 
 Usage: python benchmarks/bench_gqa_attention.py
 """
-import sysconfig, time
+import sysconfig
 from pathlib import Path
+
 import torch
 from transformers import AttentionInterface
-import sssd
-from sssd.serving import attention as A
+
+from sssd.serving.backends import attention as A
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
+from sssd.serving.engine.params import SamplingParams
+
 
 def old(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kw):
     step = kw.get(A.STEP_KWARG)
@@ -28,7 +30,8 @@ code = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
 eng = LLMEngine("smollm2-135m-instruct", datastore=None, draft=[], config=EngineConfig(max_model_len=8192, max_running=4, threads=2))
 prompts = [[{"role": "user", "content": code[i*3000:i*3000+18000] + "\nSummarise."}] for i in range(4)]
 print("prompt tokens", [len(eng.encode(p)) for p in prompts])
-from sssd.serving.engine import EngineMetrics
+from sssd.serving.engine import EngineMetrics  # noqa: E402
+
 for rnd in range(2):
     for name, fn in (("expand (before)", old), ("enable_gqa (after)", A.pool_attention)):
         AttentionInterface.register(A.ATTENTION, fn)

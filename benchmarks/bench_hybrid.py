@@ -12,7 +12,7 @@ whether the outputs equal plain decoding's (they must).
 
 The budget is fixed (--budget) so that the sources compare at one budget (the
 planner would choose one per source and batch size). Whether the draft model
-drafts in a hybrid step is the engine's measured deferral (sssd.deferral); its
+drafts in a hybrid step is the engine's measured deferral (sssd.serving.planning.deferral); its
 state carries over from one set and batch size to the next, as in a server. The
 draft model is loaded once and serves both sets that use it.
 
@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts, summarize  # noqa: E402
 from common import Recorder, machine  # noqa: E402
 
-from sssd.measured_choice import bucket  # noqa: E402
+from sssd.serving.drafting.model_drafter import DEFAULT_EXPANSION, ModelDrafter  # noqa: E402
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
-from sssd.serving.model_drafter import DEFAULT_EXPANSION, ModelDrafter  # noqa: E402
-from sssd.serving.params import SamplingParams  # noqa: E402
+from sssd.serving.engine.params import SamplingParams  # noqa: E402
+from sssd.serving.planning.measured_choice import bucket  # noqa: E402
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ def main() -> int:
     from sssd.config import DrafterConfig
     from sssd.drafter import resolve_datastore
     from sssd.models import resolve_model
-    from sssd.serving.model_drafter import DEFAULT_EXPANSION, ModelDrafter
+    from sssd.serving.drafting.model_drafter import DEFAULT_EXPANSION, ModelDrafter
 
     rec = Recorder("hybrid_replay", vars(args))
     ds = resolve_datastore(args.datastore)

@@ -1,4 +1,4 @@
-"""Row-count-planned linear layers (serving/linear_plan.py) against torch's own, end to end.
+"""Row-count-planned linear layers (serving/backends/linear_plan.py) against torch's own, end to end.
 
 One copy of the model; its linear layers are switched between torch's
 F.linear ("torch") and the measured plan ("planned") between runs. Each
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts, run, summarize  # noqa: E402
 from common import Recorder, machine  # noqa: E402
 
-from sssd.serving import linear_plan  # noqa: E402
+from sssd.serving.backends import linear_plan  # noqa: E402
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 
 

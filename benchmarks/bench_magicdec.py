@@ -56,8 +56,8 @@ class _Pass:
 
 
 def fit_cost(backend, batches, contexts, kv_budget: int, repeats: int = 2):
-    from sssd.serving.planner import SelfSpecCostModel
-    from sssd.serving.self_drafter import cost_file
+    from sssd.serving.drafting.self_drafter import cost_file
+    from sssd.serving.planning.planner import SelfSpecCostModel
 
     points = []
     for B in batches:
@@ -81,7 +81,7 @@ def fit_cost(backend, batches, contexts, kv_budget: int, repeats: int = 2):
 
 def prefill_kv(backend, prompt: list[int], chunk: int = 1024) -> torch.Tensor:
     """The K/V of prompt[:-1] (the engine's prefill; the last token is the first root), via slot 0."""
-    from sssd.serving.tree_batch import pack_chain
+    from sssd.serving.verify.tree_batch import pack_chain
 
     n = len(prompt) - 1
     for a in range(0, n, chunk):
@@ -93,7 +93,7 @@ def prefill_kv(backend, prompt: list[int], chunk: int = 1024) -> torch.Tensor:
 def run(model_path, backend, datastore, draft, prompts, kvs, max_tokens, budget, max_running, gamma=None):
     """Decodes `prompts` (their K/V copied in) with one engine; (outputs, seconds, engine)."""
     from sssd.serving.engine import EngineConfig, LLMEngine
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     eng = LLMEngine(model_path, datastore=datastore, draft=draft, backend=backend,
                     config=EngineConfig(max_model_len=backend.capacity, max_running=max_running,
@@ -102,12 +102,12 @@ def run(model_path, backend, datastore, draft, prompts, kvs, max_tokens, budget,
         for s in eng.drafting.external:
             s.gamma = gamma
     ids = [eng.add_request(list(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-    eng._admit()
-    for req, kv in zip(list(eng.slots), kvs):
+    eng.scheduler.admit(eng.open_draft)
+    for req, kv in zip(list(eng.scheduler.slots), kvs):
         n = kv.shape[3]
         backend.pool.kv[:, :, req.slot, :, :n] = kv
         req.cached = n
-        eng._promote(req)
+        eng.scheduler.promote(req)
     done = {}
     t0 = time.perf_counter()
     while eng.has_unfinished():
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-main", action="store_true", help="skip the throughput grid")
     a = p.parse_args(argv)
     from sssd.models import resolve_model
-    from sssd.serving.torch_backend import TorchBackend
+    from sssd.serving.backends.torch_backend import TorchBackend
 
     sizes = [int(x) for x in a.sizes.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     if a.fit:
         model, points = fit_cost(backend, batches, [s - 256 for s in sizes], a.kv_budget)
         rec.add(kind="cost_fit", coef=model.coef.tolist(), points=points)
-    from sssd.serving.self_drafter import load_cost
+    from sssd.serving.drafting.self_drafter import load_cost
 
     cost = load_cost(backend, a.kv_budget)
     spec = f"self:{a.method}:{a.kv_budget}"
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
                     _log(f"  sweep {size} {method:<12} kv {kb:>5}: {acc}/{drafted} accepted "
                          f"({acc / max(drafted, 1):.2f}), per depth {np.round(rates, 2).tolist()}")
                     sweeps.append({"method": method, "kv_budget": kb, "depth_rates": rates.tolist()})
-            from sssd.serving.self_drafter import cost_file
+            from sssd.serving.drafting.self_drafter import cost_file
 
             if cost_file(backend).is_file():
                 store_acceptance(cost_file(backend), sweeps)

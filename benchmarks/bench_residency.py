@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from common import Recorder, machine, stream_contexts
 
 import sssd
-from common import Recorder, machine, stream_contexts
 
 CHILD = r"""
 import json, os, resource, sys, time

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import Recorder, machine, stream_contexts
 
 import sssd
-from common import Recorder, machine, stream_contexts
 
 
 def synthetic_stream(base: np.ndarray, total: int, mutate: float, seed: int) -> np.ndarray:

@@ -121,7 +121,7 @@ def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
 
     from sssd.paths import packaged_calibration
     from sssd.serving.engine import EngineConfig, LLMEngine
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     config = EngineConfig(max_running=max(args.concurrency), max_model_len=args.max_model_len, speculate=speculate,
                           threads=args.threads or None)

@@ -1,6 +1,6 @@
 """SpecPipe: pipelined token trees vs plain pipelined decoding vs non-pipelined speculation.
 
-One model split into --stages stage processes (serving/pipeline_backend.py, gloo,
+One model split into --stages stage processes (serving/backends/pipeline_backend.py, gloo,
 --threads torch threads each) serves every variant, side by side on the same
 prompts (greedy, float32), rounds interleaved so that a noisy neighbour hits
 all of them alike:
@@ -8,7 +8,7 @@ all of them alike:
 * plain-pp: plain pipelined decoding (one token per trip through the stages);
 * spec-seq: non-pipelined speculation on the same stages: the engine's own
   loop, a draft tree of --budget nodes passing stage after stage;
-* specpipe-L<levels>: SpecPipe's schedule (serving/specpipe.py), --width draft
+* specpipe-L<levels>: SpecPipe's schedule (serving/drafting/specpipe.py), --width draft
   nodes entering stage 0 per request and step, at most <levels> tree levels
   per step (1: the paper's one layer per step).
 
@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import load_prompts  # noqa: E402
 from common import Recorder, machine  # noqa: E402
 
-from sssd.serving.engine import EngineConfig, LLMEngine, _resolve_model  # noqa: E402
-from sssd.serving.params import SamplingParams  # noqa: E402
-from sssd.serving.pipeline_backend import PipelineBackend  # noqa: E402
+from sssd.serving.backends.pipeline_backend import PipelineBackend  # noqa: E402
+from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
+from sssd.serving.engine.factory import resolve_model  # noqa: E402
+from sssd.serving.engine.params import SamplingParams  # noqa: E402
 
 
 def main() -> int:
@@ -59,7 +60,7 @@ def main() -> int:
     args = ap.parse_args()
     rec = Recorder("specpipe", vars(args))
     max_b = max(args.batch_sizes)
-    path = _resolve_model(args.model)
+    path = resolve_model(args.model)
     t0 = time.perf_counter()
     backend = PipelineBackend(path, args.stages, slots=max_b, capacity=args.max_model_len, threads=args.threads)
     print(f"{path.name}: {args.stages} stages {backend.ranges}, started in {time.perf_counter() - t0:.1f} s",
@@ -116,7 +117,7 @@ def pass_seconds(backend: PipelineBackend, T: int, context: int = 256, repeats: 
     stage alone on the CPU: the per-stage cost C(T) / stages without the contention of running at once)."""
     import numpy as np
 
-    from sssd.serving.tree_batch import pack_chain
+    from sssd.serving.verify.tree_batch import pack_chain
 
     backend.prefill(slice(0, 1), pack_chain(np.array([0]), [np.arange(context, dtype=np.int64) % 1000 + 10]))
     times = []

@@ -19,9 +19,9 @@ import argparse
 import time
 
 import numpy as np
+from common import Recorder, machine
 
 import sssd
-from common import Recorder, machine
 
 
 def followed(tree: sssd.DraftTree, continuation: np.ndarray) -> int:

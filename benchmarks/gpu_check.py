@@ -83,7 +83,7 @@ class Report:
 
 def environment(device: torch.device) -> dict:
     import sssd
-    from sssd.serving.profile import cpu_model
+    from sssd.serving.planning.profile import cpu_model
 
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": os.environ.get("SSSD_COMMIT"), "device": str(device), "torch": torch.__version__,
@@ -155,7 +155,7 @@ def margin_at(folder: Path, device: torch.device, prefix: list[int]) -> float:
 def lossless(report: Report, device: torch.device, small: bool, work: Path) -> dict:
     import sssd
     from sssd.serving.engine import EngineConfig, LLMEngine
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     archs = {"llama (SmolLM2-135M shape)": TINY_LLAMA if small else SMOLLM2_135M,
              "qwen2 (Qwen2.5-0.5B shape)": TINY_QWEN if small else QWEN25_05B}
@@ -226,7 +226,7 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
 def build_backend(config: dict, device: torch.device, slots: int, capacity: int, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sssd.serving.torch_backend import TorchBackend
+    from sssd.serving.backends.torch_backend import TorchBackend
 
     cfg = dict(config)
     cfg_obj = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -247,8 +247,8 @@ def sync(device: torch.device) -> None:
 def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> dict:
     """Median wall seconds of one verification pass (launch + collect) over `rows` chains of
     `tokens` tokens after `context` cached ones, and how long launch alone held the CPU."""
-    from sssd.serving.profile import _chains
-    from sssd.serving.tree_batch import pack
+    from sssd.serving.planning.profile import _chains
+    from sssd.serving.verify.tree_batch import pack
 
     dev = be.device
     batch = pack(rng.integers(0, be.info.vocab_size, rows), np.full(rows, context), _chains(rows, tokens - 1))
@@ -276,10 +276,10 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
     of ending the run."""
     import warnings
 
-    from sssd.serving import attention
-    from sssd.serving.profile import _chains
-    from sssd.serving.torch_backend import _Sent, tree_mask
-    from sssd.serving.tree_batch import pack
+    from sssd.serving.backends import attention
+    from sssd.serving.backends.torch_backend import _Sent, tree_mask
+    from sssd.serving.planning.profile import _chains
+    from sssd.serving.verify.tree_batch import pack
 
     dev = be.device
     batch = pack(rng.integers(0, be.info.vocab_size, rows), np.full(rows, context), _chains(rows, tokens - 1))
@@ -299,7 +299,8 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
     except Exception as e:  # noqa: BLE001
         out["syncs_in_launch"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
     try:
-        from torch.profiler import ProfilerActivity, profile as tprofile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
 
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
             be.collect(be.launch(slice(0, rows), batch, greedy))
@@ -345,8 +346,8 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
 
 
 def profile(report: Report, device: torch.device, small: bool, only_rows=None) -> dict:
-    from sssd.serving import attention
-    from sssd.serving.profile import ForwardProfile
+    from sssd.serving.backends import attention
+    from sssd.serving.planning.profile import ForwardProfile
 
     cfg = TINY_PROFILE if small else LLAMA31_8B
     dtype = "float32" if small else "bfloat16"
@@ -422,7 +423,7 @@ def prof_time(grid, rows, tokens, r: int, t: int) -> float:
 def graph_profile(measured: dict):
     """The forward-time profile of the passes replayed as CUDA graphs (what the GPU costs once
     launching is free), where the run measured them; else None."""
-    from sssd.serving.profile import ForwardProfile
+    from sssd.serving.planning.profile import ForwardProfile
 
     side = [d for d in measured.get("device_side", []) if isinstance(d.get("graph_ms"), (int, float))]
     rows = sorted({d["rows"] for d in side})
@@ -436,7 +437,7 @@ def graph_profile(measured: dict):
 
 def projection(report: Report, gpu: str, measured: dict) -> dict:
     """Section 3 for the eager profile and, where measured, the CUDA-graph one."""
-    from sssd.serving.profile import ForwardProfile
+    from sssd.serving.planning.profile import ForwardProfile
 
     out = {"eager": project(report, gpu, measured, ForwardProfile.from_dict(measured["profile"]), "eager passes")}
     graph = graph_profile(measured)
@@ -448,8 +449,8 @@ def projection(report: Report, gpu: str, measured: dict) -> dict:
 
 def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
     from sssd.paths import packaged_calibration_file
-    from sssd.serving import roofline
-    from sssd.serving.planner import BudgetPlanner, mat_from_calibration
+    from sssd.serving.planning import roofline
+    from sssd.serving.planning.planner import BudgetPlanner, mat_from_calibration
 
     mat = mat_from_calibration(packaged_calibration_file())
     hw = roofline.HARDWARE["h200" if "H200" in gpu else "h100"]
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         report.put("source", str(args.from_json))
         report.put("projection", projection(report, done["environment"].get("gpu", ""), done["profile"]))
         return 0
-    from sssd.serving.devices import resolve
+    from sssd.serving.backends.devices import resolve
 
     device = resolve(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the lossless check)

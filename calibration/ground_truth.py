@@ -1,14 +1,17 @@
 """Ground truth for replay: what a target model outputs under plain greedy
 decoding, saved as JSONL with the model's and tokenizer's identity.
 
-``generate`` runs a Hugging Face causal LM (float32, batch 1, the chat
-template applied with ``add_generation_prompt=True``, greedy, stopping at the
-tokenizer's EOS / end-of-turn tokens or after ``max_new_tokens``), one prompt
-at a time, so every output is exactly what plain greedy decoding gives.
-``record`` writes the same format from recorded answers (the ShareGPT
-held-out split) without running the model. Both resume: ids already in the
-output file are skipped, new records are appended and fsync'ed one by one,
-and a torn last line (a run killed mid-write) is cut off first.
+This module is the file format (``Writer``, ``read_file``, ``load_groundtruth``),
+the prompts (``prompt_ids``, the chat template applied with
+``add_generation_prompt=True``) and stops (``stop_ids``), the reference decoder
+(``greedy_generate``: transformers' ``generate``, batch 1), ``record``, and the
+contamination sidecar. ``record`` writes the format from recorded answers (the
+ShareGPT held-out split) without running the model. Generating with a model
+(``sssd groundtruth``: sssd.commands._generate.generate, through SSSD's engine or
+``greedy_generate``) is the command line's: calibration never imports the engine.
+Both resume: ids already in the output file are skipped, new records are
+appended and fsync'ed one by one, and a torn last line (a run killed mid-write)
+is cut off first.
 
 File format (JSON lines)::
 
@@ -38,8 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from sssd.calibration.datasets import PromptRecord
+from sssd.cache import cache_dir
+from sssd.calibration.datasets import ContaminationReport, PromptRecord, contamination
 from sssd.calibration.replay import Example
+from sssd.drafter import resolve_datastore
+from sssd.files import open_regular
+from sssd.models import _lookup, _versions, model_identity, resolve_model
+from sssd.tokenizer import load_tokenizer
 
 FORMAT = "sssd-groundtruth"
 VERSION = 1
@@ -52,7 +60,8 @@ _RESUME_KEYS = ("dataset", "model.sha256", "tokenizer.sha256", "generation.mode"
 Log = Callable[[str], None]
 
 
-def _stderr(msg: str) -> None:
+def log_to_stderr(msg: str) -> None:
+    """The default ``log`` of a run: a line on stderr."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -96,15 +105,11 @@ class Summary:
 
 def default_dir() -> Path:
     """<sssd cache>/groundtruth."""
-    from sssd.paths import cache_dir
-
     return cache_dir() / "groundtruth"
 
 
 def model_label(model: str | os.PathLike) -> str:
     """A model's name for file paths: its registry name, else its folder's name."""
-    from sssd.models import _lookup
-
     spec = _lookup(str(model))
     if spec is not None and not (Path(model).expanduser() / "config.json").is_file():
         return spec.name
@@ -208,8 +213,6 @@ def read_file(path: str | Path, *, repair: bool = False) -> tuple[dict, list[dic
     Raises:
         ValueError: not a ground-truth file, or a corrupt line before the last.
     """
-    from sssd.files import open_regular
-
     path = Path(path)
     with open_regular(path) as f:  # a FIFO or device is refused, never waited on
         data = f.read()
@@ -288,17 +291,13 @@ def _tokenizer_identity(tokenizer: Any) -> dict:
         if not tok.get("sha256"):
             raise ValueError(f"datastore {getattr(tokenizer, 'path', '')} records no tokenizer to check against")
         return tok
-    from sssd.tokenizer import load_tokenizer
-
     if isinstance(tokenizer, str) and not Path(tokenizer).expanduser().exists():
-        from sssd.models import _lookup, resolve_model
-
         if _lookup(tokenizer) is not None:
             tokenizer = resolve_model(tokenizer, pull_missing=False)
     return load_tokenizer(tokenizer).identity()
 
 
-class _Writer:
+class Writer:
     """Opens (or resumes) a ground-truth file and appends records durably."""
 
     def __init__(self, path: Path, header: dict, overwrite: bool, log: Log):
@@ -349,156 +348,9 @@ def _short(v: Any) -> str:
 
 # -- runs ----------------------------------------------------------------------
 
-def generate(model: str | os.PathLike, records: Sequence[PromptRecord], output: str | Path | None = None, *,
-             dataset: str | None = None, max_new_tokens: int = 256, dtype: str = "float32",
-             chat_template: bool = True, threads: int | None = None, overwrite: bool = False,
-             engine: str = "sssd", batch_size: int = 16, progress: bool = True, log: Log = _stderr) -> Summary:
-    """Generates greedy ground truth for a prompt set into a JSONL file (resumable).
-
-    With ``engine="sssd"`` (default) the prompts run through SSSD's own continuous-batching engine
-    with speculation, ``batch_size`` at a time: in float32 its greedy output is token-identical
-    to plain greedy decoding (tests/test_engine.py proves it against transformers' generate) and
-    several times faster on a CPU. ``engine="transformers"`` decodes one prompt at a time with
-    the plain model, the reference.
-
-    Args:
-        model: a registry name (pulled on demand) or a local Hugging Face model folder.
-        records: the prompts (PromptRecord); ids must be unique.
-        output: the file (default: ``default_path(model, dataset)``).
-        dataset: the prompt set's name (default: the records' dataset).
-        max_new_tokens: output cap per prompt (finish "length" when reached).
-        dtype: the model's dtype; float32 for exact equality with other float32 decoders.
-        chat_template: apply the tokenizer's chat template (False: plain text; base models).
-        threads: torch threads (None: torch's default).
-        overwrite: start the file over instead of resuming it.
-        engine: "sssd" (batched, speculative, exact) or "transformers" (batch 1, plain).
-        batch_size: prompts decoded together by the sssd engine.
-
-    Raises:
-        ValueError: empty prompt set, duplicate ids, or an existing file from another model,
-            tokenizer or generation setting.
-    """
-    from sssd.models import load_model
-    from sssd.tokenizer import load_tokenizer
-
-    records, dataset = _check_records(records, dataset)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if engine not in ("sssd", "transformers"):
-        raise ValueError(f"engine must be 'sssd' or 'transformers', got {engine!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    out_path = Path(output) if output is not None else default_path(model, dataset)
-    if engine == "sssd":
-        return _generate_engine(model, records, out_path, dataset=dataset, max_new_tokens=max_new_tokens,
-                                dtype=dtype, chat_template=chat_template, threads=threads, overwrite=overwrite,
-                                batch_size=batch_size, progress=progress, log=log)
-    hf_model, tokenizer, folder = load_model(model, dtype, threads=threads, log=log)
-    stops = stop_ids(tokenizer, hf_model)
-    if not stops:
-        raise ValueError(f"model {folder} has no EOS or end-of-turn token to stop at")
-    header = _header(dataset, model, folder, load_tokenizer(folder), {
-        "mode": "greedy", "max_new_tokens": max_new_tokens, "dtype": dtype, "stop_ids": stops,
-        "chat_template": chat_template, "batch_size": 1, "engine": "transformers"})
-    writer = _Writer(out_path, header, overwrite, log)
-    summary = Summary(out_path, skipped=sum(1 for r in records if r.id in writer.done))
-    todo = [r for r in records if r.id not in writer.done]
-    bar = _bar(progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} ground truth",
-               unit="prompt")
-    try:
-        for rec in todo:
-            messages = _fill(rec, writer.done, tokenizer, stops)
-            ids = prompt_ids(tokenizer, messages, chat_template)
-            t0 = time.perf_counter()
-            out, finish = greedy_generate(hf_model, ids, max_new_tokens, stops)
-            dt = time.perf_counter() - t0
-            writer.append({"id": rec.id, "prompt_ids": ids, "output_ids": out, "finish": finish,
-                           "seconds": round(dt, 3)})
-            summary.new += 1
-            summary.new_tokens += len(out)
-            summary.seconds += dt
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{summary.tokens_per_second:.1f}")
-    finally:
-        bar.close()
-        writer.close()
-    return _finish(summary, writer)
-
-
-def _generate_engine(model: str | os.PathLike, records: list[PromptRecord], out_path: Path, *, dataset: str,
-                     max_new_tokens: int, dtype: str, chat_template: bool, threads: int | None, overwrite: bool,
-                     batch_size: int, progress: bool, log: Log) -> Summary:
-    """``generate`` through SSSD's engine: rounds of ``batch_size`` prompts, each round one
-    continuous batch (records that follow another record's output wait for a later round)."""
-    from sssd.serving.llm import LLM
-    from sssd.models import resolve_model
-    from sssd.serving.params import SamplingParams
-    from sssd.tokenizer import load_tokenizer
-
-    folder = resolve_model(model, log=log)
-    llm = LLM(str(folder), datastore=_drafting_datastore(folder, log), dtype=dtype, threads=threads, max_running=batch_size)
-    tokenizer = llm.get_tokenizer()
-    stops = stop_ids(tokenizer, llm.engine.backend.model)
-    if not stops:
-        raise ValueError(f"model {folder} has no EOS or end-of-turn token to stop at")
-    header = _header(dataset, model, folder, load_tokenizer(folder), {
-        "mode": "greedy", "max_new_tokens": max_new_tokens, "dtype": dtype, "stop_ids": stops,
-        "chat_template": chat_template, "batch_size": batch_size, "engine": "sssd"})
-    writer = _Writer(out_path, header, overwrite, log)
-    summary = Summary(out_path, skipped=sum(1 for r in records if r.id in writer.done))
-    todo = [r for r in records if r.id not in writer.done]
-    params = SamplingParams(max_tokens=max_new_tokens, stop_token_ids=tuple(stops))
-    bar = _bar(progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} ground truth",
-               unit="prompt")
-    try:
-        while todo:
-            ready = [r for r in todo if not r.follows or r.follows in writer.done]
-            if not ready:
-                raise ValueError(f"record {todo[0].id!r} follows {todo[0].follows!r}, which is not in the prompt set")
-            batch = ready[:batch_size]
-            prompts = [prompt_ids(tokenizer, _fill(r, writer.done, tokenizer, stops), chat_template) for r in batch]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            dt = time.perf_counter() - t0
-            for rec, ids, out in zip(batch, prompts, outs):
-                finish = "eos" if out.token_ids and out.token_ids[-1] in stops else "length"
-                writer.append({"id": rec.id, "prompt_ids": ids, "output_ids": list(out.token_ids), "finish": finish,
-                               "seconds": round(dt / len(batch), 3)})
-                summary.new += 1
-                summary.new_tokens += len(out.token_ids)
-            summary.seconds += dt
-            done = {r.id for r in batch}
-            todo = [r for r in todo if r.id not in done]
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{summary.tokens_per_second:.1f}")
-    finally:
-        bar.close()
-        writer.close()
-    return _finish(summary, writer)
-
-
-def _drafting_datastore(folder: Path, log: Log) -> Any:
-    """The default datastore if it exists and was built with the model's tokenizer, else None
-    (the engine then drafts from each prompt alone; the output is the same either way)."""
-    from sssd.datastore import DatastoreError
-    from sssd.drafter import resolve_datastore
-    from sssd.paths import default_datastore_path
-    from sssd.tokenizer import check_compatible
-
-    if not (default_datastore_path() / "manifest.json").exists():
-        return None
-    ds = resolve_datastore("default")
-    try:
-        check_compatible(ds, folder)
-    except DatastoreError:
-        log(f"drafting from the prompts only: the default datastore has another tokenizer than {folder.name}")
-        return None
-    return ds
-
-
 def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: str | Path | None = None, *,
            dataset: str | None = None, max_new_tokens: int | None = None, chat_template: bool = True,
-           overwrite: bool = False, progress: bool = True, log: Log = _stderr) -> Summary:
+           overwrite: bool = False, progress: bool = True, log: Log = log_to_stderr) -> Summary:
     """Writes ground truth from recorded answers (each record's ``reference``), no generation.
 
     The prompt is the chat template of the conversation so far (as ``generate`` renders it); the
@@ -506,10 +358,7 @@ def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: st
     or its first ``max_new_tokens`` tokens (finish "length") if capped. Only the model's tokenizer
     and chat template are used; its weights are not loaded.
     """
-    from sssd.models import resolve_model
-    from sssd.tokenizer import load_tokenizer
-
-    records, dataset = _check_records(records, dataset)
+    records, dataset = check_records(records, dataset)
     missing = [r.id for r in records if not r.reference]
     if missing:
         raise ValueError(f"{len(missing)} records have no recorded answer (e.g. {missing[0]!r})")
@@ -517,13 +366,13 @@ def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: st
     tokenizer = _hf_tokenizer(folder)
     eot = end_of_turn_id(tokenizer)
     out_path = Path(output) if output is not None else default_path(model, dataset)
-    header = _header(dataset, model, folder, load_tokenizer(folder), {
+    header = file_header(dataset, model, folder, load_tokenizer(folder), {
         "mode": "recorded", "max_new_tokens": max_new_tokens, "dtype": None, "stop_ids": [eot],
         "chat_template": chat_template, "batch_size": 1, "engine": None})
-    writer = _Writer(out_path, header, overwrite, log)
+    writer = Writer(out_path, header, overwrite, log)
     summary = Summary(out_path, mode="recorded", skipped=sum(1 for r in records if r.id in writer.done))
     todo = [r for r in records if r.id not in writer.done]
-    bar = _bar(progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} recorded",
+    bar = progress_bar(progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} recorded",
                unit="prompt")
     t_start = time.perf_counter()
     try:
@@ -542,10 +391,12 @@ def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: st
         bar.close()
         writer.close()
     summary.seconds = time.perf_counter() - t_start
-    return _finish(summary, writer)
+    return summarize(summary, writer)
 
 
-def _check_records(records: Sequence[PromptRecord], dataset: str | None) -> tuple[list[PromptRecord], str]:
+def check_records(records: Sequence[PromptRecord], dataset: str | None) -> tuple[list[PromptRecord], str]:
+    """The records as a list, and the prompt set's name (default: the records' dataset); ValueError
+    for an empty set or a duplicate id."""
     records = list(records)
     if not records:
         raise ValueError(f"empty prompt set{f' {dataset!r}' if dataset else ''}: nothing to generate")
@@ -556,16 +407,16 @@ def _check_records(records: Sequence[PromptRecord], dataset: str | None) -> tupl
     return records, dataset or records[0].dataset
 
 
-def _header(dataset: str, model: Any, folder: Path, tok: Any, generation: dict) -> dict:
-    from sssd.models import _versions, model_identity
-
+def file_header(dataset: str, model: Any, folder: Path, tok: Any, generation: dict) -> dict:
+    """A ground-truth file's header: the prompt set, the model (`model` as named, at `folder`), its
+    tokenizer `tok` (an sssd Tokenizer) and how the outputs were made (`generation`)."""
     return {"format": FORMAT, "version": VERSION, "dataset": dataset,
             "model": model_identity(folder, name=model_label(model)), "tokenizer": tok.identity(),
             "generation": {**generation, "versions": _versions()},
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _fill(rec: PromptRecord, done: dict[str, dict], tokenizer: Any, stops: Sequence[int]) -> list[dict]:
+def filled_messages(rec: PromptRecord, done: dict[str, dict], tokenizer: Any, stops: Sequence[int]) -> list[dict]:
     """The record's messages with a None assistant turn replaced by the followed record's output."""
     if not any(m.get("content") is None for m in rec.messages):
         return rec.messages
@@ -578,7 +429,8 @@ def _fill(rec: PromptRecord, done: dict[str, dict], tokenizer: Any, stops: Seque
     return [dict(m, content=text) if m.get("content") is None else m for m in rec.messages]
 
 
-def _finish(summary: Summary, writer: _Writer) -> Summary:
+def summarize(summary: Summary, writer: Writer) -> Summary:
+    """`summary` completed from the file `writer` wrote (every record, this run's and earlier ones)."""
     summary.total = len(writer.done)
     counts: dict[str, int] = {}
     lengths = []
@@ -601,7 +453,8 @@ def _hf_tokenizer(folder: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def _bar(progress: bool, **kwargs: Any):
+def progress_bar(progress: bool, **kwargs: Any):
+    """A tqdm bar on stderr (disabled unless `progress`)."""
     from tqdm import tqdm
 
     return tqdm(file=sys.stderr, disable=not progress, dynamic_ncols=True, **kwargs)
@@ -630,9 +483,6 @@ def write_contamination(path: str | Path, datastore: Any = "default", window: in
     Raises:
         ValueError: the datastore's tokenizer differs from the file's.
     """
-    from sssd.calibration.datasets import ContaminationReport, contamination
-    from sssd.drafter import resolve_datastore
-
     ds = resolve_datastore(datastore)
     header, examples = load_groundtruth(path, tokenizer=ds)
     fractions = contamination(examples, ds, window, end_ids=header.get("generation", {}).get("stop_ids") or ())

@@ -5,7 +5,7 @@ Modules:
     sharegpt   chat turns and roles, the held-out split, the packaged ShareGPT corpus
     tokenize   batch tokenization into one uint32 token stream
     build      the build: stages, timing, atomic output, manifest
-    archive    zstd-compressed single-file archives and their unpacked cache
+    archive    writing zstd-compressed single-file archives (reading and unpacking them: sssd.archive)
     default    the default datastore's recipe (``sssd build --default``)
     paths      the SSSD cache directory
 """

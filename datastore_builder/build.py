@@ -2,7 +2,7 @@
 
 Stages (each timed, each with a progress bar on a terminal):
 
-1. read: stream records from every input (readers.py), pick the turns
+1. read: stream records from every input (the readers package), pick the turns
    (all or the assistant's), hold out the evaluation split, drop empty and
    (with dedup) duplicate documents;
 2. tokenize: batch-encode the documents on all cores into one uint32 stream,

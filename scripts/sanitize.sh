@@ -60,6 +60,9 @@ echo "== configuring and building the sanitized core in $build"
 pkg="$build/python"
 rm -rf "$pkg"
 mkdir -p "$pkg/sssd"
+# Gone again at the end: the editable install presents the repository root as a location of the
+# sssd package, so links left here would read as modules of it (lint-imports walks them).
+trap 'rm -rf "$pkg"' EXIT
 for f in "$root"/sssd/*; do  # modules and subpackages (commands, models, data), not a built _core
   case "$(basename "$f")" in _core*|__pycache__) continue ;; esac
   ln -s "$f" "$pkg/sssd/"

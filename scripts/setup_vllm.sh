@@ -24,7 +24,7 @@ if ! "$py" -c "import vllm" 2>/dev/null; then
   pip uninstall -y torchvision torchaudio torchcodec || true
 fi
 pip install "${pin[@]}" "scikit-build-core>=0.10" "pybind11>=2.13" cmake ninja
-# vLLM's `suffix` speculative method, which sssd.serving.vllm_compare runs
+# vLLM's `suffix` speculative method, which sssd.serving.frontends.vllm_compare runs
 # beside SSSD, imports arctic-inference. PyPI has only its sdist for this CPU:
 # built against vLLM's torch (--no-build-isolation, under a minute), with
 # --no-deps so that it leaves vLLM's pins alone, and with the environment on

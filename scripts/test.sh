@@ -9,7 +9,13 @@ bash scripts/setup.sh
 if [ "${SSSD_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup_vllm.sh || echo "WARNING: vLLM could not be set up; tests/test_vllm.py's integration test will skip"
 fi
-py="${VIRTUAL_ENV:-$PWD/.venv}/bin/python"  # the environment setup.sh installed into
+venv="${VIRTUAL_ENV:-$PWD/.venv}"  # the environment setup.sh installed into
+py="$venv/bin/python"
+# Which module may import which (pyproject.toml [tool.importlinter]), lint and format (ruff,
+# [tool.ruff]): each failure fails the run before the tests.
+"$venv/bin/lint-imports"
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
 rc=0
 "$py" -m pytest -q "$@" || rc=$?
 # pytest exits 5 when it collected no tests (e.g. a -k filter matched nothing).

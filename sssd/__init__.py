@@ -11,7 +11,8 @@ Quick use::
     drafter = sssd.Drafter(datastore)      # stateful, batched, for engines
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 # The core's OpenMP runtime is the process's only one: the system libgomp and
 # the copy torch bundles share a soname, so whichever loads first serves both,
@@ -22,18 +23,18 @@ from importlib.metadata import PackageNotFoundError, version as _version
 # "Linear layers planned by row count"). A user's own setting is kept.
 from sssd import _core  # noqa: E402
 from sssd._core import SSSDError, UnknownRequestError
+from sssd.calibration_file import CalibrationFile
 from sssd.config import (
-    Calibration,
     SOURCE_COPY,
     SOURCE_DATASTORE,
     SOURCE_EXTERNAL,
     SOURCE_INPUT,
     SOURCE_NAMES,
+    Calibration,
     DiscountParams,
     DrafterConfig,
     SourceDiscount,
 )
-from sssd.calibration_file import CalibrationFile
 from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
@@ -51,15 +52,15 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 def __getattr__(name: str):
     # The engine needs torch and transformers: load it only when asked for.
     if name == "LLM":
-        from sssd.serving.llm import LLM
+        from sssd.serving.frontends.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from sssd.serving.params import SamplingParams
+        from sssd.serving.engine.params import SamplingParams
 
         return SamplingParams
     if name == "ModelDrafter":
-        from sssd.serving.model_drafter import ModelDrafter
+        from sssd.serving.drafting.model_drafter import ModelDrafter
 
         return ModelDrafter
     raise AttributeError(f"module 'sssd' has no attribute {name!r}")

@@ -23,7 +23,13 @@ null is not checked).
 
 A step drafted with budget b uses the entry of the largest calibrated budget <= b
 (the smallest entry when b is below them all), with budget b; the planner's MAT
-estimates come from the same entries (serving/planner.py).
+estimates come from the same entries (serving/planning/planner.py).
+
+This module is the format, reading it and choosing an entry; it never drafts
+(sssd.drafter.draft_with_entries drafts a batch with the entries, and
+sssd.sources.DraftPipeline with a whole file). ``DrafterConfig.load`` reads these
+files too: this module registers its reader with sssd.config as it is imported
+(``import sssd`` imports it), so that sssd.config, below it, never imports it.
 
 Errors: reading a file (``CalibrationFile.load``) raises ValueError for anything
 malformed: unreadable, not JSON or truncated, another format or version, entries
@@ -35,7 +41,6 @@ uncalibrated defaults (with a warning naming the differences).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -44,7 +49,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sssd.config import CALIBRATION_FORMAT, CALIBRATION_VERSION, Calibration, DrafterConfig, SourceDiscount
+from sssd import _core
+from sssd.config import (
+    CALIBRATION_FORMAT,
+    CALIBRATION_VERSION,
+    Calibration,
+    DrafterConfig,
+    SourceDiscount,
+    register_config_format,
+)
+from sssd.datastore import DEFAULT, Datastore, built_default_path
+from sssd.errors import DatastoreError
+from sssd.files import read_json_object
+from sssd.manifest import read_manifest
+from sssd.model_registry import get_spec, is_pulled, model_fingerprint, model_path
+from sssd.tokenizer import load_tokenizer
 
 log = logging.getLogger("sssd.calibration")
 
@@ -238,47 +257,6 @@ def drafter_config_for(entries: dict[int, DrafterConfig]) -> DrafterConfig:
                             copy_max_tokens=max(c.copy_max_tokens for c in cfgs))
 
 
-def draft_with_entries(drafter: Any, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray,
-                       external: Any = None) -> Any:
-    """One DraftBatch for a batch, each request drafted with the entry of its budget (``select_entry``).
-
-    The requests of one entry draft in one call: normally the whole batch (a step runs one
-    budget; budget 0, no draft, goes with any). Several entries cost one call each, the other
-    entries' requests at budget 0, and the trees are put back in request order.
-
-    Args:
-        drafter: an sssd.Drafter built with ``drafter_config_for(entries)``.
-        entries: increasing budget -> DrafterConfig.
-        ids, budgets: [B] request ids and int32 budgets; external: as ``Drafter.draft`` takes it.
-    """
-    keys = list(entries)
-    which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
-    groups = np.unique(which[budgets > 0])
-    if len(groups) <= 1:
-        g = int(groups[0]) if len(groups) else len(keys) - 1
-        return drafter.draft(ids, budgets, external, config=entries[keys[g]])
-    parts = [drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
-             for g in groups]
-    return _merge_batches(parts)
-
-
-def _merge_batches(parts: list) -> Any:
-    """One DraftBatch from batches over the same requests where each request's tree is in one of them."""
-    from sssd.tree import DraftBatch
-
-    n = len(parts[0])
-    sizes = [p.sizes for p in parts]
-    owner = np.concatenate([np.repeat(np.arange(n), s) for s in sizes])
-    order = np.argsort(owner, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.sum(sizes, axis=0))]).astype(np.int64)
-    fields = {}
-    for f in dataclasses.fields(DraftBatch):
-        if f.name != "offsets":
-            values = [getattr(p, f.name) for p in parts]
-            fields[f.name] = None if any(v is None for v in values) else np.concatenate(values)[order]
-    return DraftBatch(offsets=offsets, **fields)
-
-
 def load_drafter(drafter: Any) -> DrafterConfig | CalibrationFile:
     """What an engine's `drafter` argument names: None -> DrafterConfig(); a DrafterConfig or
     CalibrationFile as is; a path -> its calibration file (every entry) or saved DrafterConfig.
@@ -298,28 +276,11 @@ def load_drafter(drafter: Any) -> DrafterConfig | CalibrationFile:
     return DrafterConfig.load(drafter)
 
 
-def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
-    """A JSON object from a regular file of at most 64 MiB (ValueError saying why not)."""
-    from sssd.files import MAX_JSON_SIDE_FILE, read_bytes
-
-    try:
-        d = json.loads(read_bytes(path, MAX_JSON_SIDE_FILE))
-    except OSError as e:  # NotRegularFileError: "it is a FIFO, not a regular file"
-        raise ValueError(f"{path}: cannot read a {what} ({e.strerror or e})") from e
-    except (ValueError, RecursionError) as e:  # too large, not UTF-8, not JSON (truncated)
-        raise ValueError(f"{path}: cannot read a {what} (not valid JSON, or truncated: {e})") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: a {what} is a JSON object, got a {type(d).__name__}")
-    return d
-
-
 # -- identities ----------------------------------------------------------------------
 
 def datastore_identity(datastore: Any) -> tuple[str | None, str | None]:
     """(content fingerprint, tokenizer sha256) of a Datastore, a datastore directory or archive,
     or "default"; (None, None) for None or a datastore that cannot be opened."""
-    from sssd.datastore import DEFAULT, Datastore, DatastoreError, read_manifest
-
     if datastore is None:
         return None, None
     manifest: dict[str, Any] = {}
@@ -331,8 +292,6 @@ def datastore_identity(datastore: Any) -> tuple[str | None, str | None]:
         else:
             path = Path(datastore).expanduser()
             if isinstance(datastore, str) and datastore == DEFAULT:
-                from sssd.datastore import built_default_path
-
                 path = built_default_path()
             if path.is_dir():  # the manifest tells; no need to map the data
                 manifest = read_manifest(path)
@@ -346,48 +305,13 @@ def datastore_identity(datastore: Any) -> tuple[str | None, str | None]:
     return fp, tok
 
 
-def model_fingerprint(model: Any) -> tuple[str | None, str | None]:
-    """(name, weights identity) of a model folder or registered model name; (None, None) if unknown.
-
-    A model pulled by ``sssd models pull`` is named by the GGUF file it was converted from
-    ("gguf:<sha256>", from its sssd-model.json, or from the registry before it is pulled): the
-    converted config.json differs from one transformers version to the next, the weights do not.
-    Another folder is named by ``sssd.models.model_identity`` ("sha256:<config.json and weights
-    layout>").
-    """
-    from sssd.files import read_json_dict
-    from sssd.models import get_spec, is_pulled, model_identity, model_path
-
-    folder = Path(str(model)).expanduser()
-    if not (folder / "config.json").is_file():
-        try:
-            spec = get_spec(str(model))
-        except (ValueError, KeyError):
-            return None, None
-        if not is_pulled(spec.name):
-            return spec.name, f"gguf:{spec.sha256}"
-        folder = model_path(spec.name)
-    prov = read_json_dict(folder / "sssd-model.json")
-    name = prov.get("name") if isinstance(prov.get("name"), str) else folder.name
-    if isinstance(prov.get("gguf_sha256"), str):
-        return name, f"gguf:{prov['gguf_sha256']}"
-    try:
-        return name, f"sha256:{model_identity(folder)['sha256']}"
-    except OSError:
-        return name, None
-
-
 def _model_tokenizer(model: Any) -> str | None:
     """sha256 of the model's tokenizer, or None if it cannot be loaded."""
     if model is None:
         return None
-    from sssd.tokenizer import load_tokenizer
-
     folder = Path(str(model)).expanduser()
     if not (folder / "config.json").is_file():
         try:
-            from sssd.models import get_spec, is_pulled, model_path
-
             spec = get_spec(str(model))
             if not is_pulled(spec.name):
                 return None
@@ -406,8 +330,6 @@ def _short(identity: str) -> str:
 
 
 def _budget_key(key: Any, where: str) -> int:
-    from sssd import _core
-
     try:
         b = int(key)
     except (TypeError, ValueError):
@@ -473,5 +395,14 @@ def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> t
     return cfg, None if mat is None else float(mat)
 
 
-__all__ = ["CalibrationFile", "Fingerprint", "datastore_identity", "draft_with_entries", "drafter_config_for",
-           "entries_of", "load_drafter", "model_fingerprint", "select_entry", "source_discount"]
+def _config_for_budget(d: dict[str, Any], where: str, budget: int | None) -> DrafterConfig:
+    """DrafterConfig.load's reader of these files: the config for `budget` (None: the file's default budget)."""
+    return CalibrationFile.from_dict(d, where=where).config(budget)
+
+
+# DrafterConfig.load (sssd.config, below this module: it never imports it) reads these files with it.
+register_config_format(CALIBRATION_FORMAT, _config_for_budget)
+
+
+__all__ = ["CalibrationFile", "Fingerprint", "datastore_identity", "drafter_config_for", "entries_of", "load_drafter",
+           "model_fingerprint", "select_entry", "source_discount"]

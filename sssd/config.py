@@ -3,6 +3,12 @@
 Defaults follow the paper (section 3.1) where it gives values: input prefix
 length P = 4, M = 100 sampled continuations. The discounts are sensible
 starting points; ``sssd calibrate`` fits better ones for a model and budget.
+
+``DrafterConfig.load`` reads a saved DrafterConfig, and the files of the formats
+registered with ``register_config_format``: sssd.calibration_file, which defines
+``sssd calibrate``'s files (they hold DrafterConfigs, so it sits above this module
+and this module never imports it), registers them as it is imported, and
+``import sssd`` imports it.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from sssd import _core
+from sssd.files import read_json_object
 
 #: The parameter files written by ``sssd calibrate``.
 CALIBRATION_FORMAT = "sssd-calibration"
@@ -147,10 +154,7 @@ class DiscountParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DiscountParams:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown discount fields: {sorted(unknown)}")
+        _check_fields(cls, d, "discount")
         kw: dict[str, Any] = {}
         for name in ("datastore", "input", "external"):
             if name in d:
@@ -309,10 +313,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown drafter config fields: {sorted(unknown)}")
+        _check_fields(cls, d, "drafter config")
         d = dict(d)
         if "discounts" in d and isinstance(d["discounts"], dict):
             d["discounts"] = DiscountParams.from_dict(d["discounts"])
@@ -327,7 +328,8 @@ class DrafterConfig:
         written by ``sssd calibrate`` (then ``budget`` picks the parameters
         calibrated for the largest budget not above it; default: the file's
         default budget). A calibration file's fingerprint is not checked here
-        (no datastore or model is known): see ``sssd.calibration_file``.
+        (no datastore or model is known): see ``sssd.calibration_file``, whose
+        reader this calls (``register_config_format``).
 
         Raises:
             ValueError: missing, unreadable, not a regular file (a FIFO is refused
@@ -335,11 +337,11 @@ class DrafterConfig:
                 (truncated), another kind of file, or malformed; or a calibration
                 file of another format version.
         """
-        from sssd.calibration_file import CalibrationFile, read_json_object
-
         d = read_json_object(path, "drafter config")
-        if d.get("format") == CALIBRATION_FORMAT:
-            return CalibrationFile.from_dict(d, where=str(path)).config(budget)
+        fmt = d.get("format")
+        reader = _CONFIG_FORMATS.get(fmt) if isinstance(fmt, str) else None
+        if reader is not None:
+            return reader(d, str(path), budget)
         if "format" in d:
             raise ValueError(f"{path}: a {d['format']!r} file, not a drafter config or `sssd calibrate` file")
         try:
@@ -350,7 +352,26 @@ class DrafterConfig:
 
     @classmethod
     def from_calibration(cls, d: dict[str, Any], budget: int | None = None, where: str = "calibration") -> DrafterConfig:
-        """The configuration a calibration parameter file gives for ``budget`` (ValueError if malformed)."""
-        from sssd.calibration_file import CalibrationFile
+        """The configuration a calibration parameter file gives for ``budget`` (ValueError if malformed;
+        sssd.calibration_file reads it)."""
+        return _CONFIG_FORMATS[CALIBRATION_FORMAT](d, where, budget)
 
-        return CalibrationFile.from_dict(d, where=where).config(budget)
+
+#: How DrafterConfig.load reads a file of another format: (parsed file, its path, budget) -> DrafterConfig.
+ConfigReader = Callable[[dict[str, Any], str, int | None], DrafterConfig]
+#: The readers, by the file's "format" (register_config_format).
+_CONFIG_FORMATS: dict[str, ConfigReader] = {}
+
+
+def register_config_format(name: str, reader: ConfigReader) -> None:
+    """Lets ``DrafterConfig.load`` read files whose "format" is `name` with `reader` (which picks the
+    config for the budget asked, or the file's default for None). The module defining a format calls
+    it as it is imported: sssd.calibration_file for CALIBRATION_FORMAT."""
+    _CONFIG_FORMATS[name] = reader
+
+
+def _check_fields(cls: type, d: dict[str, Any], what: str) -> None:
+    """ValueError naming the keys of `d` that are not fields of the dataclass `cls` (a misspelt knob)."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {what} fields: {sorted(unknown)}")

@@ -2,10 +2,12 @@
 
 On disk a datastore is a directory::
 
-    manifest.json       format version, counts, tokenizer identity, checksums
+    manifest.json       format version, counts, tokenizer identity, checksums (sssd.manifest)
     tokens.bin          64-byte header + uint32 token ids (separator 2^32 - 1)
     suffix_array.bin    64-byte header + uint32/uint64 suffix positions
     token_index.bin     64-byte header + uint64 first-token index
+
+or a compressed single-file archive of one (sssd.archive), unpacked once into the cache.
 
 ``Datastore.build`` writes it atomically: into a temporary sibling directory
 that is renamed into place only once complete (sssd.files.atomic_directory),
@@ -14,8 +16,6 @@ so an interrupted or failed build never leaves anything that loads.
 
 from __future__ import annotations
 
-import json
-import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,12 +24,14 @@ import numpy as np
 
 from sssd import _core
 from sssd._tokens import as_tokens
-from sssd.files import (NotRegularFileError, atomic_directory, check_regular, describe_mode, file_inside, file_sha256,
-                        is_plain_name, read_bytes, write_atomic)
+from sssd.archive import unpack_cached
+from sssd.cache import default_datastore_path
+from sssd.errors import DatastoreError
+from sssd.files import atomic_directory, check_regular, file_inside, file_sha256
+from sssd.manifest import FORMAT_VERSION, MANIFEST, read_manifest, tokenizer_file, tokenizer_mismatch, write_manifest
+from sssd.tokenizer import load_tokenizer
 
 SEPARATOR: int = int(_core.SEPARATOR)
-FORMAT_VERSION: int = int(_core.FORMAT_VERSION)
-MANIFEST = "manifest.json"
 DATA_FILES = (str(_core.TOKENS_FILE), str(_core.SUFFIX_ARRAY_FILE), str(_core.TOKEN_INDEX_FILE))
 #: The name that Datastore.open (and sssd.Drafter, ``sssd serve``) takes for the default datastore.
 DEFAULT = "default"
@@ -43,63 +45,6 @@ RESIDENCY = {
 }
 
 
-class DatastoreError(_core.SSSDError, ValueError):
-    """A datastore is missing, corrupt, or incompatible.
-
-    Both an ``sssd.SSSDError`` (as every error of the native core) and a ValueError
-    (a bad datastore is a bad argument), so ``except ValueError`` catches it too;
-    so is the core's own error for corrupt data files (``_core.CorruptDatastoreError``).
-    """
-
-
-#: A manifest is a few kilobytes; a larger "manifest" is refused unread.
-MAX_MANIFEST_BYTES = 64 << 20
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """Reads and checks a datastore's manifest.json (see :func:`check_manifest`).
-
-    Raises:
-        DatastoreError: missing, unreadable, not a regular file, not a manifest,
-            from a newer format, or with malformed entries.
-    """
-    path = Path(path)
-    mf = path / MANIFEST
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise DatastoreError(f"datastore not found: {path}") from None
-    except OSError as e:
-        raise DatastoreError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not stat.S_ISDIR(mode):
-        kind = "a file" if stat.S_ISREG(mode) else describe_mode(mode)
-        raise DatastoreError(f"{path} is {kind}, not a datastore directory or archive")
-    try:
-        data = read_bytes(mf, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise DatastoreError(f"{path} is not a datastore: {MANIFEST} is missing") from None
-    except NotRegularFileError as e:
-        raise DatastoreError(str(e)) from None
-    except (OSError, ValueError) as e:
-        raise DatastoreError(f"{mf}: unreadable manifest ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise DatastoreError(f"{mf}: unreadable manifest ({e})") from None
-    return check_manifest(manifest, mf)
-
-
-def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
-    """Writes ``manifest`` as ``directory``/manifest.json, atomically (a temporary file beside
-    it, then os.replace): keys in their given order, indented by 2, with a trailing newline.
-
-    Returns the manifest file's path.
-    """
-    path = Path(directory) / MANIFEST
-    write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
-    return path
-
-
 def built_default_path() -> Path:
     """The default datastore's directory (sssd.default_datastore_path(): $SSSD_DATASTORE, else
     ``<SSSD cache>/datastores/sharegpt-smollm2``), if it is built. Never builds it.
@@ -107,84 +52,11 @@ def built_default_path() -> Path:
     Raises:
         FileNotFoundError: it is not built yet; the one-line message names the command that builds it.
     """
-    from sssd.paths import default_datastore_path
-
     path = default_datastore_path()
     if not (path / MANIFEST).exists():
         raise FileNotFoundError(f"the default datastore is not built yet (looked in {path}); build it with "
                                 "`sssd build --default`, or point SSSD_DATASTORE at a datastore directory")
     return path
-
-
-def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
-    """Checks a parsed manifest's shape: its format and version, that every "files"
-    entry is a plain file name with a byte count and sha256, the counts are
-    non-negative integers, and the "tokenizer" entry (if any) is well formed.
-
-    Returns ``manifest``.
-
-    Raises:
-        DatastoreError: the first problem, naming ``where`` and the entry.
-    """
-    if not isinstance(manifest, dict) or manifest.get("format") != "sssd-datastore":
-        raise DatastoreError(f"{where}: not an SSSD datastore manifest")
-    version = manifest.get("format_version")
-    if not _is_int(version) or version < 1:
-        raise DatastoreError(f"{where}: invalid format_version {version!r}")
-    if version > FORMAT_VERSION:
-        raise DatastoreError(
-            f"{where}: format version {version} is newer than this sssd supports ({FORMAT_VERSION}); upgrade sssd"
-        )
-    for key in ("num_tokens", "num_docs", "vocab_size", "index_bytes"):
-        if manifest.get(key) is not None and not (_is_int(manifest[key]) and manifest[key] >= 0):
-            raise DatastoreError(f"{where}: {key} is {manifest[key]!r}, not a non-negative integer")
-    if manifest.get("fingerprint") is not None and not isinstance(manifest["fingerprint"], str):
-        raise DatastoreError(f"{where}: fingerprint is {manifest['fingerprint']!r}, not a string")
-    files = manifest.get("files")
-    if files is not None:
-        if not isinstance(files, dict):
-            raise DatastoreError(f"{where}: \"files\" is a {type(files).__name__}, not an object")
-        for name, info in files.items():
-            if not is_plain_name(name) or name == MANIFEST:
-                raise DatastoreError(f"{where}: file entry {name!r} is not a plain file name inside the datastore "
-                                     "folder; refusing to use it")
-            if not isinstance(info, dict):
-                raise DatastoreError(f"{where}: file entry {name!r} is a {type(info).__name__}, not an object")
-            if "bytes" in info and not (_is_int(info["bytes"]) and info["bytes"] >= 0):
-                raise DatastoreError(f"{where}: file entry {name!r} has bytes {info['bytes']!r}, not a non-negative integer")
-            if "sha256" in info and not _is_sha256(info["sha256"]):
-                raise DatastoreError(f"{where}: file entry {name!r} has sha256 {info['sha256']!r}, not 64 hex digits")
-    hold = manifest.get("holdout")
-    if hold is not None and not (isinstance(hold, dict) and (hold.get("file") is None or is_plain_name(hold["file"]))):
-        raise DatastoreError(f"{where}: holdout file {hold.get('file') if isinstance(hold, dict) else hold!r} is not a "
-                             "plain file name inside the datastore folder; refusing to use it")
-    tok = manifest.get("tokenizer")
-    if tok is not None:
-        if not isinstance(tok, dict):
-            raise DatastoreError(f"{where}: \"tokenizer\" is a {type(tok).__name__}, not an object")
-        if tok.get("file") is not None and not is_plain_name(tok["file"]):
-            raise DatastoreError(f"{where}: tokenizer file {tok['file']!r} is not a plain file name inside the "
-                                 "datastore folder; refusing to use it")
-        for key in ("path", "name"):
-            if tok.get(key) is not None and not isinstance(tok[key], str):
-                raise DatastoreError(f"{where}: tokenizer {key} is {tok[key]!r}, not a string")
-        if tok.get("sha256") is not None and not _is_sha256(tok["sha256"]):
-            raise DatastoreError(f"{where}: tokenizer sha256 is {tok['sha256']!r}, not 64 hex digits")
-        vocab = tok.get("vocab_size")
-        if vocab is not None and not (_is_int(vocab) and 0 < vocab <= SEPARATOR):
-            raise DatastoreError(f"{where}: tokenizer vocab_size is {vocab!r}, not an integer in [1, 2^32 - 1]")
-        eos = tok.get("eos_token_id")
-        if eos is not None and not (_is_int(eos) and 0 <= eos < (vocab or SEPARATOR)):
-            raise DatastoreError(f"{where}: tokenizer eos_token_id is {eos!r}, not a token id of the vocabulary")
-    return manifest
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_sha256(x: Any) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 class Datastore:
@@ -231,8 +103,6 @@ class Datastore:
             path = built_default_path()
         path = Path(path).expanduser()
         if path.is_file():  # a compressed archive: unpacked once into the cache, then mapped
-            from sssd.datastore_builder.archive import unpack_cached
-
             path = unpack_cached(path)
         manifest = read_manifest(path)
         for name in DATA_FILES:
@@ -397,8 +267,6 @@ class Datastore:
             DatastoreError: the file is missing or is not the tokenizer the manifest records.
             ValueError: the file is not a loadable tokenizer.
         """
-        from sssd.tokenizer import load_tokenizer
-
         path = self.tokenizer_path()
         if path is None:
             return None
@@ -456,38 +324,6 @@ class Datastore:
     def __repr__(self) -> str:
         where = str(self.path) if self.path else "memory"
         return f"Datastore({where}: {self.size:,} tokens, {self.num_docs:,} documents)"
-
-
-def tokenizer_file(folder: Path, manifest: dict[str, Any]) -> Path | None:
-    """The tokenizer file a datastore directory's manifest records by name ("file"), or None.
-
-    Raises:
-        DatastoreError: the file is missing, not a regular file, not a plain name, or
-            a symbolic link leading out of ``folder``.
-    """
-    name = (manifest.get("tokenizer") or {}).get("file")
-    if not name:
-        return None
-    try:
-        path = file_inside(folder, name, "tokenizer file")
-        check_regular(path)
-    except FileNotFoundError:
-        raise DatastoreError(f"{folder}: the tokenizer file {name!r} its manifest records is missing "
-                             "(run `sssd verify`; rebuild or re-copy the datastore)") from None
-    except (ValueError, OSError) as e:
-        raise DatastoreError(str(e)) from None
-    return path
-
-
-def tokenizer_mismatch(recorded: dict[str, Any], tok: Any) -> str | None:
-    """Why a loaded tokenizer is not the one a manifest's "tokenizer" entry records, or None."""
-    if recorded.get("sha256") and recorded["sha256"] != tok.sha256:
-        return (f"the tokenizer file {tok.path} (sha256 {tok.sha256[:12]}, vocab {tok.vocab_size}) is not the tokenizer "
-                f"the manifest records (sha256 {recorded['sha256'][:12]}, vocab {recorded.get('vocab_size')})")
-    if recorded.get("vocab_size") is not None and recorded["vocab_size"] != tok.vocab_size:
-        return (f"the tokenizer file {tok.path} has {tok.vocab_size} ids, the manifest records vocab_size "
-                f"{recorded['vocab_size']}")
-    return None
 
 
 def _stream(tokens: Any) -> np.ndarray:

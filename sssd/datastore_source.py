@@ -29,7 +29,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from sssd.config import DrafterConfig, SourceDiscount
-from sssd.sources import Candidates, DraftRequest, DraftSource
+from sssd.draft_source import Candidates, DraftRequest, DraftSource
+from sssd.drafter import Drafter, resolve_datastore
+from sssd.sources import MAX_EXTERNAL
 
 #: Names that stand for retrieval's own sources in the metrics; an extra datastore never takes them.
 RESERVED_NAMES = frozenset({"datastore", "input", "retrieval", "external"})
@@ -61,8 +63,6 @@ class DatastoreSource(DraftSource):
 
     def __init__(self, datastore: Any, config: DrafterConfig | None = None, *, name: str | None = None,
                  discount: SourceDiscount | None = None):
-        from sssd.drafter import Drafter, resolve_datastore
-
         ds = resolve_datastore(datastore)
         if ds is None:
             raise ValueError("a DatastoreSource needs a datastore, got None")
@@ -145,8 +145,6 @@ def add_datastore(pipeline: Any, datastore: Any, *, name: str | None = None, def
         ValueError: a malformed name. SourceConflict: the name is taken, or the pipeline holds
             MAX_EXTERNAL sources besides retrieval already.
     """
-    from sssd.sources import MAX_EXTERNAL
-
     taken = set(pipeline.names) | {"retrieval"}
     if name is not None:
         if check_name(name) in taken:

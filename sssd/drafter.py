@@ -9,10 +9,14 @@ requests in C++, GIL released), and closes requests when they finish::
     batch = drafter.draft([7], budgets=[32])     # DraftBatch
     drafter.extend(7, accepted_ids)
     drafter.close(7)
+
+A calibration file holds one config per budget: ``draft_with_entries`` drafts each
+request of a batch with the entry of its budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +28,7 @@ from sssd import _core
 from sssd._tokens import as_tokens
 from sssd.config import DrafterConfig
 from sssd.datastore import DEFAULT, Datastore
+from sssd.tokenizer import check_compatible, load_tokenizer
 from sssd.tree import DraftBatch, DraftTree
 
 
@@ -90,8 +95,6 @@ class Drafter:
         self.config = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
         self.datastore = resolve_datastore(datastore) if self.config.use_datastore else None
         if tokenizer is not None and self.datastore is not None:
-            from sssd.tokenizer import check_compatible
-
             check_compatible(self.datastore, tokenizer)
         vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
         self._vocab, self._external = vocab, tuple(external_sources) or None
@@ -304,8 +307,6 @@ _tokenizers: dict[Any, Any] = {}
 
 def _tokenizer_of(drafter: Drafter, spec: Any = None):
     """The tokenizer for text prefixes: `spec`, else the one the drafter's datastore records (cached)."""
-    from sssd.tokenizer import load_tokenizer
-
     if spec is not None:
         return load_tokenizer(spec)
     ds = drafter.datastore
@@ -320,3 +321,45 @@ def _tokenizer_of(drafter: Drafter, spec: Any = None):
         with _cache_lock:
             _tokenizers[key] = tok
     return tok
+
+
+# -- drafting with a calibration file's entries ----------------------------------------
+
+def draft_with_entries(drafter: Drafter, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray,
+                       external: Any = None) -> DraftBatch:
+    """One DraftBatch for a batch, each request drafted with the entry of its budget (the largest
+    entry budget <= it, the smallest below them all: sssd.calibration_file.select_entry).
+
+    The requests of one entry draft in one call: normally the whole batch (a step runs one
+    budget; budget 0, no draft, goes with any). Several entries cost one call each, the other
+    entries' requests at budget 0, and the trees are put back in request order.
+
+    Args:
+        drafter: a Drafter built with ``sssd.calibration_file.drafter_config_for(entries)``.
+        entries: increasing budget -> DrafterConfig (a calibration file's: sssd.calibration_file.entries_of).
+        ids, budgets: [B] request ids and int32 budgets; external: as ``Drafter.draft`` takes it.
+    """
+    keys = list(entries)
+    which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
+    groups = np.unique(which[budgets > 0])
+    if len(groups) <= 1:
+        g = int(groups[0]) if len(groups) else len(keys) - 1
+        return drafter.draft(ids, budgets, external, config=entries[keys[g]])
+    parts = [drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
+             for g in groups]
+    return _merge_batches(parts)
+
+
+def _merge_batches(parts: list[DraftBatch]) -> DraftBatch:
+    """One DraftBatch from batches over the same requests where each request's tree is in one of them."""
+    n = len(parts[0])
+    sizes = [p.sizes for p in parts]
+    owner = np.concatenate([np.repeat(np.arange(n), s) for s in sizes])
+    order = np.argsort(owner, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.sum(sizes, axis=0))]).astype(np.int64)
+    fields = {}
+    for f in dataclasses.fields(DraftBatch):
+        if f.name != "offsets":
+            values = [getattr(p, f.name) for p in parts]
+            fields[f.name] = None if any(v is None for v in values) else np.concatenate(values)[order]
+    return DraftBatch(offsets=offsets, **fields)

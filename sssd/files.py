@@ -1,6 +1,7 @@
 """Small file helpers shared across the package: regular-file checks, streaming
-sha256, bounded and lenient JSON reads, names inside a folder, and atomic
-writes (:func:`atomic_directory`, :func:`write_atomic`).
+sha256, bounded JSON reads (strict: :func:`read_json_object`; lenient:
+:func:`read_json_dict`), names inside a folder, and atomic writes
+(:func:`atomic_directory`, :func:`write_atomic`).
 
 Anything that reads a file it did not create goes through :func:`open_regular`:
 opening a FIFO for reading blocks until a writer appears (forever, if none
@@ -132,6 +133,19 @@ def read_json_dict(path: str | Path) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON object from a regular file of at most 64 MiB (ValueError saying why not, naming `what` it is)."""
+    try:
+        d = json.loads(read_bytes(path, MAX_JSON_SIDE_FILE))
+    except OSError as e:  # NotRegularFileError: "it is a FIFO, not a regular file"
+        raise ValueError(f"{path}: cannot read a {what} ({e.strerror or e})") from e
+    except (ValueError, RecursionError) as e:  # too large, not UTF-8, not JSON (truncated)
+        raise ValueError(f"{path}: cannot read a {what} (not valid JSON, or truncated: {e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a {what} is a JSON object, got a {type(d).__name__}")
+    return d
 
 
 def is_plain_name(name: object) -> bool:

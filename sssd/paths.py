@@ -1,27 +1,23 @@
 """Where SSSD keeps its files: the cache (converted tokenizers and models,
-unpacked archives) and the default datastore."""
+unpacked archives), the default datastore, and the packaged calibration, with
+whether it fits a model and datastore.
+
+``cache_dir`` and ``default_datastore_path`` are sssd.cache's, given here too: the
+library's lower modules take them from there, as this module reads calibration
+files (sssd.calibration_file) to tell whether the packaged one fits.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
 
+from sssd.cache import cache_dir, default_datastore_path
+from sssd.calibration_file import CalibrationFile
 
-def cache_dir() -> Path:
-    """The SSSD cache: $SSSD_CACHE_DIR, else $XDG_CACHE_HOME/sssd, else ~/.cache/sssd."""
-    env = os.environ.get("SSSD_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sssd"
-
-
-def default_datastore_path() -> Path:
-    """Where the default datastore lives: $SSSD_DATASTORE, else <cache>/datastores/sharegpt-smollm2."""
-    env = os.environ.get("SSSD_DATASTORE")
-    if env:
-        return Path(env).expanduser()
-    return cache_dir() / "datastores" / "sharegpt-smollm2"
+log = logging.getLogger("sssd.calibration")
 
 
 def portable(obj: object) -> object:
@@ -60,10 +56,6 @@ def packaged_calibration(model: str | os.PathLike, datastore: object = "default"
         datastore: a Datastore, a datastore directory or archive, "default", or None (none fits);
             of a list, the first (retrieval's).
     """
-    import logging
-
-    from sssd.calibration_file import CalibrationFile
-
     path = packaged_calibration_file()
     if isinstance(datastore, (list, tuple)):  # several: the first is retrieval's
         datastore = datastore[0] if datastore else None
@@ -72,10 +64,13 @@ def packaged_calibration(model: str | os.PathLike, datastore: object = "default"
     try:
         problems = CalibrationFile.load(path).check(datastore, model)
     except ValueError as e:  # a damaged installation
-        logging.getLogger("sssd.calibration").warning("the packaged calibration is unreadable (%s)", e)
+        log.warning("the packaged calibration is unreadable (%s)", e)
         return None
     if problems:
-        logging.getLogger("sssd.calibration").info("the packaged calibration does not fit (%s): drafting with the "
-                                                   "uncalibrated defaults", "; ".join(problems))
+        log.info("the packaged calibration does not fit (%s): drafting with the uncalibrated defaults",
+                 "; ".join(problems))
         return None
     return path
+
+
+__all__ = ["cache_dir", "default_datastore_path", "packaged_calibration", "packaged_calibration_file", "portable"]

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from sssd.config import SourceDiscount
-from sssd.sources import Candidates, DraftRequest, DraftSource
+from sssd.draft_source import Candidates, DraftRequest, DraftSource
 
 #: Tokens the store holds (the oldest are forgotten beyond it).
 DEFAULT_CAPACITY = 1 << 20
@@ -245,7 +245,7 @@ def _tries(rows: np.ndarray, paths: np.ndarray, lengths: np.ndarray, R: int, max
     damping = MATCH_DAMPING ** np.maximum(0, max_match - best)
     parent_of = rows.copy()          # per occurrence: its node at the previous depth (depth 0: its request)
     alive = np.ones(M, dtype=bool)
-    base, parent_req, parent_count = 0, None, None
+    base, prev_base, parent_req, parent_count = 0, 0, None, None
     for d in range(D):
         alive &= paths[:, d] >= 0
         if not alive.any():

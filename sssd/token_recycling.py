@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from sssd.config import SourceDiscount
-from sssd.sources import Candidates, DraftRequest, DraftSource
+from sssd.draft_source import Candidates, DraftRequest, DraftSource
 
 #: Top-k predictions kept per token (the paper's k).
 DEFAULT_K = 8

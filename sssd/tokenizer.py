@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sssd.datastore import DatastoreError
+from sssd.cache import cache_dir
+from sssd.errors import DatastoreError
 from sssd.files import NotRegularFileError, atomic_directory, check_regular, file_sha256, open_regular, read_json_dict
 
 #: The file a datastore keeps its tokenizer in, next to manifest.json.
@@ -183,7 +184,7 @@ def check_compatible(datastore: Any, tokenizer: Any) -> None:
 # -- loaders -------------------------------------------------------------------
 
 def _from_json(path: Path, name: str) -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
+    from tokenizers import Tokenizer as Backend  # native, loaded with the first tokenizer: `import sssd` stays light
 
     try:
         with open_regular(path) as f:  # NotRegularFileError for a FIFO, without blocking
@@ -209,8 +210,6 @@ def _from_json(path: Path, name: str) -> Tokenizer:
 
 def _from_gguf(path: Path) -> Tokenizer:
     """Converts a GGUF file's tokenizer with transformers, once; then loads the cached json."""
-    from sssd.paths import cache_dir
-
     digest = file_sha256(path)
     target = cache_dir() / "tokenizers" / f"gguf-{digest}"
     if not (target / TOKENIZER_FILE).is_file():
@@ -234,8 +233,6 @@ def _from_transformers_folder(path: Path) -> Tokenizer:
             check_regular(path / f)  # transformers would block reading a FIFO
     hf = _transformers_tokenizer(path, spec=path)
     tok = Tokenizer(hf.backend_tokenizer, name=path.name, eos_token_id=hf.eos_token_id)
-    from sssd.paths import cache_dir
-
     target = cache_dir() / "tokenizers" / f"sha256-{tok.sha256}"
     if not (target / TOKENIZER_FILE).is_file():
         _save_cached(hf.backend_tokenizer, {"name": path.name, "source": str(path), "eos_token_id": hf.eos_token_id}, target)
@@ -249,7 +246,7 @@ def _transformers_tokenizer(folder: Path, *, spec: Path, gguf_file: str | None =
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional, heavy: only to convert a GGUF or folder tokenizer
     except ImportError as e:
         raise ValueError(f"cannot load tokenizer {str(spec)!r}: it needs transformers (pip install transformers gguf): {e}") from None
     kwargs = {"local_files_only": True}

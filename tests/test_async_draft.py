@@ -17,16 +17,15 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from tiny_models import perturbed_model, tiny_model
 
 import sssd
-from sssd.serving.async_draft import ModeChooser, best, combine, reroot, row_of, union
+from sssd.serving.drafting.async_draft import ModeChooser, best, combine, reroot, row_of, union
+from sssd.serving.drafting.model_drafter import ModelDrafter
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.model_drafter import ModelDrafter
-from sssd.serving.params import SamplingParams
+from sssd.serving.engine.params import SamplingParams
 from sssd.sources import Candidates, DraftRequest, DraftSource
 from sssd.tree import DraftBatch
-
-from tiny_models import perturbed_model, tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
 
@@ -206,7 +205,7 @@ def test_union_holds_each_path_once_with_its_better_node():
 
 
 def test_a_measured_choice_of_three_arms_runs_the_fastest_and_probes_each_other_in_turn():
-    from sssd.measured_choice import MeasuredChoice
+    from sssd.serving.planning.measured_choice import MeasuredChoice
 
     ch = MeasuredChoice(("rule", "always", "never"), block=2, probe_every=4)
     rates = {"rule": 100.0, "always": 80.0, "never": 150.0}

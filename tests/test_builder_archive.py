@@ -8,13 +8,12 @@ import threading
 
 import numpy as np
 import pytest
+from test_builder_support import conversations, make_tokenizer
 
 import sssd
+from sssd import archive
 from sssd.cli import main
 from sssd.datastore import DATA_FILES
-from sssd.datastore_builder import archive
-
-from test_builder_support import conversations, make_tokenizer
 
 pytest.importorskip("zstandard")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_builder_support import conversations, expected_stream, make_tokenizer, truncated_json, turns_of
 
 import sssd
 from sssd.cli import main
@@ -21,8 +22,6 @@ from sssd.datastore import DATA_FILES
 from sssd.datastore_builder import build as build_mod
 from sssd.files import file_sha256
 from sssd.tokenizer import load_tokenizer
-
-from test_builder_support import conversations, expected_stream, make_tokenizer, truncated_json, turns_of
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +205,9 @@ def test_bad_input_fails_cleanly(tmp_path, tok, capsys, case, message):
 
 
 def test_token_ids_beyond_the_separator_are_refused(tmp_path):
-    from sssd.datastore_builder.build import BuildConfig, build_datastore
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from sssd.datastore_builder.build import BuildConfig, build_datastore
 
     # A word-level tokenizer whose "huge" is id 2^32 - 1, the separator (in memory:
     # tokenizer.json cannot even round-trip such an id).

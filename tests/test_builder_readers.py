@@ -7,12 +7,19 @@ import json
 import os
 
 import pytest
+from test_builder_support import conversations, truncated_json
 
 from sssd.datastore_builder import readers
-from sssd.datastore_builder.readers import CorpusError, Fields, Source, SourceStats, read_source, resolve_inputs
+from sssd.datastore_builder.readers import (
+    CorpusError,
+    Fields,
+    Source,
+    SourceStats,
+    json_stream,
+    read_source,
+    resolve_inputs,
+)
 from sssd.datastore_builder.sharegpt import HoldoutRule, message_turns, select_turns
-
-from test_builder_support import conversations, truncated_json
 
 
 def read(path, fields=None, kind=None, stdin=None, strict=False):
@@ -32,7 +39,7 @@ def texts(recs):
 @pytest.mark.parametrize("chunk", [readers.JSON_CHUNK, 7, 64, 1000])
 def test_truncated_json_recovers_every_complete_record(tmp_path, monkeypatch, chunk):
     # Small read chunks put buffer boundaries inside strings, escapes and numbers.
-    monkeypatch.setattr(readers, "JSON_CHUNK", chunk)
+    monkeypatch.setattr(json_stream, "JSON_CHUNK", chunk)
     recs_in = conversations(40)
     recs_in[3]["conversations"][0]["value"] = 'quotes " and \\ backslash, unicode \u00e9\u4e2d \U0001F600 {braces}'
     (tmp_path / "c.json").write_text(truncated_json(recs_in, cut=25), encoding="utf-8")
@@ -52,7 +59,7 @@ def test_json_cut_between_records_is_a_note_not_a_drop(tmp_path):
 
 
 def test_malformed_record_in_the_middle_is_skipped_and_counted(tmp_path, monkeypatch):
-    monkeypatch.setattr(readers, "JSON_CHUNK", 50)
+    monkeypatch.setattr(json_stream, "JSON_CHUNK", 50)
     good = [json.dumps(r) for r in conversations(5)]
     broken = '{"id": "bad", "conversations": [{"from": "human", "value": "oops" "missing comma"}, {"from": "gpt", "value": "x"}]}'
     (tmp_path / "c.json").write_text("[" + ",\n".join(good[:2] + [broken] + good[2:]) + "]")
@@ -284,7 +291,7 @@ def _big(n=3 * LIMIT):
 ])
 @pytest.mark.parametrize("chunk", [readers.JSON_CHUNK, 1000])
 def test_records_larger_than_the_limit_are_skipped_and_counted(tmp_path, monkeypatch, name, content, fields, chunk):
-    monkeypatch.setattr(readers, "JSON_CHUNK", chunk)
+    monkeypatch.setattr(json_stream, "JSON_CHUNK", chunk)
     (tmp_path / name).write_text(content())
     fields = Fields(**{**(fields or Fields()).__dict__, "max_record_bytes": LIMIT})
     recs, st = read(tmp_path / name, fields)

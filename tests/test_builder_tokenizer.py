@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_builder_support import SENTENCES, make_tokenizer
 
 import sssd
 from sssd.cli import main
 from sssd.tokenizer import check_compatible, load_tokenizer
-
-from test_builder_support import SENTENCES, make_tokenizer
 
 
 @pytest.fixture(scope="module")

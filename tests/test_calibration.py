@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import random_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +14,6 @@ from sssd.calibration.fit import MATCH_BINS, apply_calibration, fit_calibration,
 from sssd.calibration.grid import GridAxes, Trial, evaluate
 from sssd.calibration.isotonic import isotonic_fit
 from sssd.calibration.replay import Example
-
-from conftest import random_corpus
 
 
 def brute_isotonic(y, w):
@@ -70,7 +69,7 @@ def test_fit_learns_each_sources_reliability():
         sel = (nodes["source"] == s) & (np.abs(nodes["prob"] - 0.8) < 0.05)
         assert abs(calibrated[sel].mean() - 0.8 * factor) < 0.06
     # Every curve is monotone, so calibration preserves each source's ranking.
-    for _, _, _, x, y in cal.curves:
+    for _, _, _, _x, y in cal.curves:
         assert np.all(np.diff(y) >= 0)
     after = {r.source: r for r in reliability({**nodes, "prob": calibrated.astype(np.float32)})}
     before = {r.source: r for r in reliability(nodes)}

@@ -9,12 +9,12 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import random_corpus
 
 import sssd
+import sssd.models
 from sssd.calibration_file import CalibrationFile, Fingerprint, load_drafter, model_fingerprint
 from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
-
-from conftest import random_corpus
 
 # A context whose every suffix recurs in the datastore below and in the request itself.
 PHRASE = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -99,7 +99,7 @@ def test_the_pipeline_drafts_each_step_with_the_entry_of_its_budget(store):
 
 
 def test_the_planner_estimates_mat_from_the_entries_the_engine_drafts_with(tmp_path):
-    from sssd.serving.planner import DEFAULT_MAT, mat_from_calibration
+    from sssd.serving.planning.planner import DEFAULT_MAT, mat_from_calibration
 
     cal = CalibrationFile.from_dict(calibration_dict({4: sssd.DrafterConfig(), 16: sssd.DrafterConfig()}))
     assert mat_from_calibration(cal) == {0: 1.0, 4: 1.5, 16: 1.6}
@@ -211,7 +211,7 @@ BAD = {
 
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_files_raise_a_clear_value_error_where_they_are_named(tmp_path, kind):
-    from sssd.serving.planner import mat_from_calibration
+    from sssd.serving.planning.planner import mat_from_calibration
 
     good = json.dumps(calibration_dict({8: sssd.DrafterConfig()}, Fingerprint(datastore="0" * 16), calibrated=True))
     p = tmp_path / "bad.json"
@@ -250,11 +250,13 @@ def llama(tmp_path_factory):
 def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another_setup(tmp_path, store, llama, caplog,
                                                                                       monkeypatch):
     from sssd.serving.engine import EngineConfig, LLMEngine
-    from sssd.serving.planner import DEFAULT_MAT
-    from sssd.serving.profile import ForwardProfile
+    from sssd.serving.planning.planner import DEFAULT_MAT
+    from sssd.serving.planning.profile import ForwardProfile
 
     flat = ForwardProfile([1, 64], [1, 65], [[0.01, 0.02], [0.02, 0.04]], context=256)
-    monkeypatch.setattr(LLMEngine, "_profile", lambda self: flat)  # the planner's, not measured here
+    from sssd.serving.backends.torch_backend import TorchBackend
+
+    monkeypatch.setattr(TorchBackend, "profile", lambda self, log=None, force=False: flat)  # the planner's, not measured
     entries = {4: sssd.DrafterConfig(use_datastore=False), 16: sssd.DrafterConfig(use_input=False)}
     good = write(tmp_path, calibration_dict(entries, Fingerprint.of(store, llama)), "good.json")
     eng = LLMEngine(llama, datastore=store, drafter=good, config=EngineConfig(max_model_len=128, budget=None,

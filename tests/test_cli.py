@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from test_builder_support import conversations, make_tokenizer
 
 from sssd.cli import main
-
-from test_builder_support import conversations, make_tokenizer
 
 
 @pytest.fixture(autouse=True)

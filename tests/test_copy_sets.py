@@ -17,6 +17,7 @@ from collections import defaultdict
 import pytest
 
 from sssd.calibration import copy_sets, datasets
+from sssd.calibration.copy_sets import tqdm_code, transforms
 
 pytest.importorskip("tqdm")
 
@@ -147,7 +148,7 @@ def _names(tree: ast.AST) -> set[str]:
 
 
 def _code_body(fn):
-    return copy_sets._code_body(fn)
+    return transforms._code_body(fn)
 
 
 def test_edits_are_exact(sets):
@@ -165,7 +166,7 @@ def test_edits_are_exact(sets):
             ref_src = copy_sets.dedent_exact(ref, fn.indent)
             assert ref_src is not None
             if kind == "file-fix-bug":  # the answer is the function exactly as in the installed file
-                file_text = dict(copy_sets._source_files())[fn.path].split("\n")
+                file_text = dict(tqdm_code._source_files())[fn.path].split("\n")
                 assert ref == "\n".join(file_text[fn.start - 1:fn.end])
             kind, ref = kind[len("file-"):], ref_src
         else:
@@ -247,5 +248,5 @@ def test_wrap_try_leaves_multiline_strings_alone():
 
 def test_dedent_reindent_roundtrip():
     for fn in copy_sets.source_functions():
-        text = dict(copy_sets._source_files())[fn.path].split("\n")
+        text = dict(tqdm_code._source_files())[fn.path].split("\n")
         assert copy_sets.reindent(fn.source, fn.indent) == "\n".join(text[fn.start - 1:fn.end])

@@ -9,14 +9,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import random_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import SEP, datastore_query, occurrences, suffix_array, tree_to_paths
 
 import sssd
 from sssd import _core
-
-from conftest import random_corpus
-from reference import SEP, datastore_query, occurrences, suffix_array, tree_to_paths
 
 
 @settings(max_examples=150, deadline=None)

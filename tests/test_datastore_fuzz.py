@@ -37,11 +37,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import random_corpus
 
 import sssd
 from sssd import _core
-
-from conftest import random_corpus
 
 HEADER = 64
 FINGERPRINT_OFFSET = 40  # magic 8, version 4, elem_bytes 4, count 8, vocab_size 8, num_docs 8

@@ -11,15 +11,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from sssd.serving import attention, devices
-from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-from sssd.serving.torch_backend import TorchBackend, kv_positions, tree_mask
-from sssd.serving.tree_batch import pack
-
 from test_engine_seams import PROMPTS, random_drafts
 from tiny_models import tiny_model
+
+from sssd.serving.backends import attention, devices
+from sssd.serving.backends.torch_backend import TorchBackend, kv_positions, tree_mask
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.verify.tree_batch import pack
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import random_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import merge, tree_to_paths, trie_continuations
 
 import sssd
 from sssd import _core
-
-from conftest import random_corpus
-from reference import merge, trie_continuations, tree_to_paths
 
 
 @pytest.fixture(scope="module")
@@ -466,10 +465,10 @@ def test_draft_a_text_with_the_datastores_own_tokenizer(tmp_path, monkeypatch):
     transformers), gives the same tree as the ids, and renders its tokens as text."""
     import json
 
+    from test_builder_support import conversations, make_tokenizer
+
     from sssd.cli import main
     from sssd.tokenizer import load_tokenizer
-
-    from test_builder_support import conversations, make_tokenizer
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     tok = make_tokenizer(tmp_path / "tokenizer.json")

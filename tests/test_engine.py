@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from tiny_models import WORDS, tiny_model
 
 import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-
-from tiny_models import WORDS, tiny_model
+from sssd.serving.engine.params import SamplingParams
 
 ARCHS = ["llama", "qwen2", "gemma3"]
 PROMPTS = [
@@ -279,7 +278,7 @@ def test_streamed_text_survives_characters_split_across_byte_tokens():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
-    from sssd.serving.engine import _stream_delta
+    from sssd.serving.engine.requests import stream_delta
 
     alphabet = ByteLevel.alphabet()  # one token per byte: every multi-byte character is split
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
@@ -292,6 +291,6 @@ def test_streamed_text_survives_characters_split_across_byte_tokens():
     streamed = []
     for n in range(1, len(ids) + 1):
         req.text, req.finished = tok.decode(ids[:n]), n == len(ids)
-        streamed.append(_stream_delta(req))
+        streamed.append(stream_delta(req))
     assert "".join(streamed) == text
     assert not any("\ufffd" in d for d in streamed)

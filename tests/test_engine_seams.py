@@ -10,16 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_model
 
 import sssd
-from sssd.serving.acceptance import Sampler, accept_greedy, accept_sampled
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-from sssd.serving.tree_batch import pack
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled
+from sssd.serving.verify.tree_batch import pack
 from sssd.sources import Candidates, DraftSource, parse_specs
 from sssd.tree import DraftBatch, ancestor_mask, concat
-
-from tiny_models import tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
 
@@ -125,7 +124,7 @@ def test_sampling_walk_follows_the_drawn_tokens(rng):
 
 def test_compaction_moves_every_accepted_path_in_one_call(llama):
     """KVPool.move against a per-position reference copy."""
-    from sssd.serving.kv_cache import KVPool, PoolShape
+    from sssd.serving.backends.kv_cache import KVPool, PoolShape
 
     pool = KVPool(PoolShape(layers=3, kv_heads=2, head_dim=4, slots=4, capacity=16), torch.float32)
     pool.kv.copy_(torch.randn_like(pool.kv))
@@ -266,7 +265,7 @@ def test_batched_greedy_equals_single_as_requests_join_and_leave(llama, plain_ou
 def test_incremental_text_equals_full_decoding_and_cuts_at_stop_strings(llama):
     from transformers import AutoTokenizer
 
-    from sssd.serving.detokenizer import Detokenizer
+    from sssd.serving.engine.detokenizer import Detokenizer
 
     tok = AutoTokenizer.from_pretrained(llama)
     rng = np.random.default_rng(3)

@@ -15,6 +15,7 @@ from sssd.calibration import datasets  # noqa: E402
 from sssd.calibration import ground_truth as gt  # noqa: E402
 from sssd.calibration.datasets import PromptRecord  # noqa: E402
 from sssd.calibration.replay import Example  # noqa: E402
+from sssd.commands._generate import generate  # noqa: E402
 
 WORDS = ("the a cat dog sat on mat and ran to house big small red blue one two three four five is was of in it "
          "what why how do you think").split()
@@ -109,7 +110,7 @@ def test_prompt_uses_the_chat_template_with_generation_prompt(tiny_model):
 
 def test_generate_writes_header_and_records(tiny_model, tmp_path):
     out = tmp_path / "gt.jsonl"
-    summary = gt.generate(str(tiny_model), _records(3), out, max_new_tokens=6, progress=False)
+    summary = generate(str(tiny_model), _records(3), out, max_new_tokens=6, progress=False)
     assert summary.new == 3 and summary.total == 3
     header, *records = _lines(out)
     assert header["format"] == "sssd-groundtruth" and header["version"] == 1
@@ -128,10 +129,10 @@ def test_generate_writes_header_and_records(tiny_model, tmp_path):
 
 def test_engine_and_plain_greedy_write_the_same_outputs(tiny_model, tmp_path):
     recs = _records(5)
-    plain = gt.generate(str(tiny_model), recs, tmp_path / "plain.jsonl", max_new_tokens=16, engine="transformers",
-                        progress=False)
-    fast = gt.generate(str(tiny_model), recs, tmp_path / "fast.jsonl", max_new_tokens=16, engine="sssd",
-                       batch_size=2, progress=False)
+    plain = generate(str(tiny_model), recs, tmp_path / "plain.jsonl", max_new_tokens=16, engine="transformers",
+                     progress=False)
+    fast = generate(str(tiny_model), recs, tmp_path / "fast.jsonl", max_new_tokens=16, engine="sssd",
+                    batch_size=2, progress=False)
     (hp, *rp), (hf, *rf) = _lines(plain.path), _lines(fast.path)
     assert hp["generation"]["engine"] == "transformers" and hf["generation"]["engine"] == "sssd"
     assert hp["generation"]["stop_ids"] == hf["generation"]["stop_ids"]
@@ -141,35 +142,35 @@ def test_engine_and_plain_greedy_write_the_same_outputs(tiny_model, tmp_path):
 
 def test_interrupted_run_resumes_without_duplicates(tiny_model, tmp_path):
     full = tmp_path / "full.jsonl"
-    gt.generate(str(tiny_model), _records(4), full, max_new_tokens=5, progress=False)
+    generate(str(tiny_model), _records(4), full, max_new_tokens=5, progress=False)
     part = tmp_path / "part.jsonl"
-    first = gt.generate(str(tiny_model), _records(4)[:1], part, max_new_tokens=5, progress=False)  # "interrupted"
+    first = generate(str(tiny_model), _records(4)[:1], part, max_new_tokens=5, progress=False)  # "interrupted"
     assert first.total == 1
     # A run killed mid-write leaves a torn last line; the resume cuts it off.
     with open(part, "a") as f:
         f.write('{"id": "p1", "prompt_ids": [1, 2')
-    again = gt.generate(str(tiny_model), _records(4), part, max_new_tokens=5, progress=False)
+    again = generate(str(tiny_model), _records(4), part, max_new_tokens=5, progress=False)
     assert again.skipped == 1 and again.new == 3 and again.total == 4
     a, b = _lines(full)[1:], _lines(part)[1:]
     assert [r["id"] for r in b] == ["p0", "p1", "p2", "p3"]
     assert [(r["prompt_ids"], r["output_ids"], r["finish"]) for r in a] == \
            [(r["prompt_ids"], r["output_ids"], r["finish"]) for r in b]
     # A finished file: a rerun does nothing.
-    assert gt.generate(str(tiny_model), _records(4), part, max_new_tokens=5, progress=False).new == 0
+    assert generate(str(tiny_model), _records(4), part, max_new_tokens=5, progress=False).new == 0
 
 
 def test_resume_refuses_other_generation_settings(tiny_model, tmp_path):
     out = tmp_path / "gt.jsonl"
-    gt.generate(str(tiny_model), _records(1), out, max_new_tokens=5, progress=False)
+    generate(str(tiny_model), _records(1), out, max_new_tokens=5, progress=False)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        gt.generate(str(tiny_model), _records(2), out, max_new_tokens=7, progress=False)
-    summary = gt.generate(str(tiny_model), _records(2), out, max_new_tokens=7, overwrite=True, progress=False)
+        generate(str(tiny_model), _records(2), out, max_new_tokens=7, progress=False)
+    summary = generate(str(tiny_model), _records(2), out, max_new_tokens=7, overwrite=True, progress=False)
     assert summary.new == 2 and summary.skipped == 0
 
 
 def test_empty_prompt_set_is_a_clear_error(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="empty prompt set"):
-        gt.generate(str(tiny_model), [], tmp_path / "x.jsonl", progress=False)
+        generate(str(tiny_model), [], tmp_path / "x.jsonl", progress=False)
     with pytest.raises(ValueError, match="empty prompt set"):
         gt.record(str(tiny_model), [], tmp_path / "y.jsonl", progress=False)
     assert not (tmp_path / "x.jsonl").exists()
@@ -178,12 +179,12 @@ def test_empty_prompt_set_is_a_clear_error(tiny_model, tmp_path):
 def test_duplicate_ids_are_refused(tiny_model, tmp_path):
     recs = _records(2)
     with pytest.raises(ValueError, match="duplicate"):
-        gt.generate(str(tiny_model), [recs[0], recs[0]], tmp_path / "x.jsonl", progress=False)
+        generate(str(tiny_model), [recs[0], recs[0]], tmp_path / "x.jsonl", progress=False)
 
 
 def test_load_groundtruth_gives_examples_with_ids(tiny_model, tmp_path):
     out = tmp_path / "gt.jsonl"
-    gt.generate(str(tiny_model), _records(5), out, max_new_tokens=4, progress=False)
+    generate(str(tiny_model), _records(5), out, max_new_tokens=4, progress=False)
     header, examples = gt.load_groundtruth(out, tokenizer=str(tiny_model))
     assert header["dataset"] == "toy"
     assert [e.id for e in examples] == [f"p{i}" for i in range(5)]
@@ -195,7 +196,7 @@ def test_load_groundtruth_gives_examples_with_ids(tiny_model, tmp_path):
 
 def test_groundtruth_from_another_tokenizer_is_refused(tiny_model, tmp_path):
     out = tmp_path / "gt.jsonl"
-    gt.generate(str(tiny_model), _records(1), out, max_new_tokens=3, progress=False)
+    generate(str(tiny_model), _records(1), out, max_new_tokens=3, progress=False)
     other = _make_model(tmp_path / "other-llama", extra_words=("zebra",))
     with pytest.raises(ValueError, match=r"tokenizer mismatch.*tiny-llama.*other-llama"):
         gt.load_groundtruth(out, tokenizer=str(other))
@@ -236,7 +237,7 @@ def test_second_turn_follows_the_models_first_answer(tiny_model, tmp_path):
     q.write_text(json.dumps({"question_id": 7, "category": "x", "turns": ["the cat sat", "why"]}) + "\n")
     recs = datasets.mtbench(both_turns=True, path=q)
     out = tmp_path / "mt.jsonl"
-    gt.generate(str(tiny_model), recs, out, max_new_tokens=4, progress=False)
+    generate(str(tiny_model), recs, out, max_new_tokens=4, progress=False)
     _, t1, t2 = _lines(out)
     assert (t1["id"], t2["id"]) == ("mtbench/7", "mtbench/7#2")
     _, tok = _load(tiny_model)

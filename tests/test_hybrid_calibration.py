@@ -13,17 +13,16 @@ import json
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model
 
 from sssd.calibration.hybrid import discount_grid, fit_source_discount
 from sssd.calibration.replay import Example
 from sssd.calibration_file import CalibrationFile
 from sssd.config import SourceDiscount
+from sssd.serving.drafting.model_drafter import ModelDrafter
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.model_drafter import ModelDrafter
-from sssd.serving.params import SamplingParams
+from sssd.serving.engine.params import SamplingParams
 from sssd.sources import DraftPipeline, RetrievalSource
-
-from tiny_models import tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 12, [7, 8, 9, 7, 8, 9, 7, 8]]
 BUDGET = 6

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model
 
 import sssd
-from sssd.serving import linear_plan
+from sssd.serving.backends import linear_plan
+from sssd.serving.backends.linear_plan import ROW_GRID, WIN, LinearPlan, PlannedLinear
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.linear_plan import ROW_GRID, WIN, LinearPlan, PlannedLinear
-from sssd.serving.params import SamplingParams
-
-from tiny_models import tiny_model
+from sssd.serving.engine.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +129,7 @@ def test_install_and_uninstall_keep_parameters_and_ties(llama):
 
 
 def test_the_plan_is_measured_once_cached_and_remeasured_when_corrupt(llama, cache):
-    from sssd.serving.torch_backend import TorchBackend
+    from sssd.serving.backends.torch_backend import TorchBackend
 
     logs: list[str] = []
     be = TorchBackend(llama, slots=2, capacity=64, log=logs.append)
@@ -159,7 +158,7 @@ def test_the_plan_is_measured_once_cached_and_remeasured_when_corrupt(llama, cac
 
 
 def test_off_leaves_torchs_layers(llama, cache, monkeypatch):
-    from sssd.serving.torch_backend import TorchBackend
+    from sssd.serving.backends.torch_backend import TorchBackend
 
     monkeypatch.setenv(linear_plan.ENV, "off")
     be = TorchBackend(llama, slots=2, capacity=64)

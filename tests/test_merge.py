@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import merge
 
 import sssd
 from sssd import _core
-
-from reference import merge
 
 
 @st.composite

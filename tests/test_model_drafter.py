@@ -18,16 +18,15 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from tiny_models import perturbed_model, tiny_model
 
-from sssd.serving.acceptance import Sampler, accept_sampled, mss_trials
+from sssd.serving.drafting.model_drafter import ModelDrafter, parse_expansion
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.model_drafter import ModelDrafter, parse_expansion
-from sssd.serving.params import SamplingParams
-from sssd.serving.tree_batch import pack
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.verify.acceptance import Sampler, accept_sampled, mss_trials
+from sssd.serving.verify.tree_batch import pack
 from sssd.sources import Candidates, DraftDistributions, DraftSource
 from sssd.tree import DraftBatch
-
-from tiny_models import perturbed_model, tiny_model
 
 SMOL = "smollm2-135m-instruct"
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
@@ -187,8 +186,8 @@ def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_
 
 def test_steps_a_deferring_model_drafts_in_measure_retrieval_alone_on_the_same_steps(llama, near_llama,
                                                                                       plain_outputs):
-    from sssd.deferral import ARMS
-    from sssd.measured_choice import MeasuredChoice
+    from sssd.serving.planning.deferral import ARMS
+    from sssd.serving.planning.measured_choice import MeasuredChoice
 
     eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256)],
                  budget=6, max_running=3)
@@ -222,12 +221,14 @@ def test_a_costly_source_drafts_only_where_retrieval_promises_too_little():
     nothing: a cheap source drafts for both (one pass costs about the same), a dear one for
     neither; request 1 alone is not worth even a cheap one."""
     import sssd
+    from sssd.serving.planning.deferral import Deferral
     from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
 
     ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
     for cost, asked in ((0.3, [1, 2]), (5.0, []), (0.0, [1, 2])):
         src = Deferring(cost)
-        pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93)
+        pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93,
+                             deferral=Deferral())
         pipe.open(1, np.array([4, 5, 6, 7]))
         pipe.open(2, np.array([80, 81]))
         batch, proposals = pipe.draft_with_proposals([DraftRequest(1, np.array([4, 5, 6, 7]), 8),
@@ -252,17 +253,19 @@ class Measured(Deferring):
 
 def _two_request_pipe(src):
     import sssd
+    from sssd.serving.planning.deferral import Deferral
     from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
 
     ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
-    pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93)
+    pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93,
+                         deferral=Deferral())
     pipe.open(1, np.array([4, 5, 6, 7]))
     pipe.open(2, np.array([80, 81]))
     return pipe, [DraftRequest(1, np.array([4, 5, 6, 7]), 8), DraftRequest(2, np.array([80, 81]), 8)]
 
 
 def test_the_deferral_uses_the_measured_cost_over_the_target_s_measured_forward_time():
-    from sssd.deferral import Deferral
+    from sssd.serving.planning.deferral import Deferral
 
     # the prior says 5 target passes (never pays); measured: 0.01 s against a 0.1 s forward pass
     src = Measured(cost=5.0, seconds=0.01)
@@ -304,7 +307,7 @@ def test_retrieval_promises_are_corrected_by_what_they_got():
 
 
 def test_a_source_that_never_pays_drafts_every_explore_every_steps():
-    from sssd.deferral import EXPLORE_EVERY
+    from sssd.serving.planning.deferral import EXPLORE_EVERY
 
     src = Measured(cost=0.0, seconds=100.0)
     pipe, reqs = _two_request_pipe(src)
@@ -320,7 +323,7 @@ def test_a_source_that_never_pays_drafts_every_explore_every_steps():
 
 
 def test_the_engine_s_measured_arm_overrides_the_rule_for_its_step():
-    from sssd.measured_choice import MeasuredChoice
+    from sssd.serving.planning.measured_choice import MeasuredChoice
 
     src = Measured(cost=5.0, seconds=None)  # the rule: never
     pipe, reqs = _two_request_pipe(src)
@@ -355,7 +358,7 @@ def _longest_path_along(tokens, parents, verified):
 
 
 def test_accepted_along_is_the_longest_root_path_along_the_verified_tokens():
-    from sssd.deferral import accepted_along
+    from sssd.serving.planning.deferral import accepted_along
 
     rng = np.random.default_rng(7)
     for _ in range(300):
@@ -377,8 +380,8 @@ class Slow(Deferring):
 def test_a_step_the_source_drafted_in_measures_never_on_the_same_step():
     """Retrieval's own trees are built anyway: against the verified tokens of a greedy step they
     say exactly what "never" would have got, in the step's time without the source's."""
-    from sssd.deferral import ARMS
-    from sssd.measured_choice import MeasuredChoice
+    from sssd.serving.planning.deferral import ARMS
+    from sssd.serving.planning.measured_choice import MeasuredChoice
 
     src = Slow(cost=0.0)
     pipe, reqs = _two_request_pipe(src)

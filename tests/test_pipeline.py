@@ -1,4 +1,4 @@
-"""Pipeline stages (serving/pipeline_backend.py) and SpecPipe's schedule (serving/specpipe.py).
+"""Pipeline stages (serving/backends/pipeline_backend.py) and SpecPipe's schedule (serving/drafting/specpipe.py).
 
 Greedy: token-identical (float32) to plain decoding on one process, for plain
 pipelined decoding, non-pipelined speculation over the stages and pipelined
@@ -17,9 +17,9 @@ import pytest
 import torch
 from scipy import stats
 
+from sssd.serving.backends.pipeline_backend import PipelineBackend, PipelineError, split_layers
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-from sssd.serving.pipeline_backend import PipelineBackend, PipelineError, split_layers
+from sssd.serving.engine.params import SamplingParams
 from sssd.sources import Candidates, DraftSource
 from tests.tiny_models import tiny_model
 
@@ -143,7 +143,7 @@ def test_pipelined_trees_are_token_identical(llama, plain, two_stages, levels, w
 def test_pipelined_trees_drafted_by_a_model_are_token_identical(llama, plain, two_stages):
     """A draft model (the target itself, through the engine's DraftPipeline) feeds the tree:
     nearly every token is accepted, and the output is still plain decoding's."""
-    from sssd.serving.model_drafter import ModelDrafter
+    from sssd.serving.drafting.model_drafter import ModelDrafter
 
     src = ModelDrafter(llama, target=llama, slots=two_stages.slots, capacity=128 + 64, expansion=(2, 1, 1))
     eng = _engine(llama, two_stages, 2, [src], budget=4)

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model
 
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.planner import BudgetPlanner, ForwardProfile
-
-from tiny_models import tiny_model
+from sssd.serving.planning.planner import BudgetPlanner, ForwardProfile
 
 
 def linear_profile(fixed: float, per_token: float) -> ForwardProfile:
@@ -36,13 +35,13 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
     import json
     import shutil
 
-    from sssd.serving.profile import store
+    from sssd.serving.planning.profile import store
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "1")
     config = EngineConfig(max_running=2, max_model_len=200, budget=None)
     gone, kept = tiny_model(tmp_path / "gone", "llama"), tiny_model(tmp_path / "kept", "llama")
-    LLMEngine(gone, datastore=None, config=config).planner.profile
+    _ = LLMEngine(gone, datastore=None, config=config).planner.profile  # measured on first use
     profiles = tmp_path / "cache" / "profiles"
     of_gone = sorted(p.name for p in profiles.glob("*.json"))
     assert any(n.startswith("forward-") for n in of_gone)
@@ -50,7 +49,7 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
     (profiles / "forward-relative.json").write_text(json.dumps({"meta": {"model": "models/m"}}))
     (profiles / "forward-unreadable.json").write_text("{not json")
     shutil.rmtree(gone)
-    LLMEngine(kept, datastore=None, config=config).planner.profile   # writes its own: the cache is tidied
+    _ = LLMEngine(kept, datastore=None, config=config).planner.profile  # writes its own: the cache is tidied
     left = sorted(p.name for p in profiles.glob("*.json"))
     assert not set(of_gone) & set(left)
     assert {"selfspec-x.json", "forward-relative.json", "forward-unreadable.json"} <= set(left)
@@ -143,7 +142,7 @@ def test_planner_retries_candidates_after_refresh():
 
 def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
     """Whatever budgets the planner tries, greedy output stays the plain output."""
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     model = tiny_model(tmp_path / "m", "llama")
@@ -161,7 +160,7 @@ def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
 def test_steps_where_nobody_drafts_count_as_plain_decoding(tmp_path, monkeypatch):
     """Requests that ask for no speculation make plain steps: the planner must not charge them to the
     budget it chose (it would learn that a budget which pays emits one token per row)."""
-    from sssd.serving.params import SamplingParams
+    from sssd.serving.engine.params import SamplingParams
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     model = tiny_model(tmp_path / "m", "llama")
@@ -187,7 +186,7 @@ def test_every_budget_is_considered_and_small_ones_win_where_verifying_more_is_d
 
 
 def test_mat_interpolation_is_monotone_and_keeps_the_calibrated_points():
-    from sssd.serving.planner import interpolate_mat
+    from sssd.serving.planning.planner import interpolate_mat
 
     known = {4: 1.7, 8: 1.9, 16: 1.85, 64: 2.3}   # a dip (noise) at 16
     mat = interpolate_mat(known, 64)
@@ -209,7 +208,7 @@ def test_planner_does_not_try_budgets_the_model_rules_out():
 def test_roofline_reproduces_the_papers_free_speculation_budget():
     """SSSD paper, section 3.2: for Llama2-7b on an Ascend 910B4 (280 TFLOP/s, 0.8 TB/s),
     verifying is almost free until b x s_q ~ 435, i.e. s_q ~ 54 at batch 8."""
-    from sssd.serving.roofline import HARDWARE, MODELS, projection, step_seconds
+    from sssd.serving.planning.roofline import HARDWARE, MODELS, projection, step_seconds
 
     m, hw = MODELS["llama-2-7b"], HARDWARE["ascend-910b4"]
     ratio = {s: step_seconds(m, hw, 8, s, 512) / step_seconds(m, hw, 8, 1, 512) for s in (16, 48, 54, 80, 128)}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,14 +7,13 @@ import threading
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model
 
 import sssd
 from sssd.recent_outputs import MATCH_DAMPING, RecentOutputs
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
+from sssd.serving.engine.params import SamplingParams
 from sssd.sources import DraftRequest
-
-from tiny_models import tiny_model
 
 
 class Reference:

@@ -3,11 +3,10 @@ naive step-by-step replay of the real drafter."""
 
 import numpy as np
 import pytest
+from conftest import random_corpus
 
 import sssd
-from sssd.calibration.replay import Example, matched_nodes, accepted_lengths, replay
-
-from conftest import random_corpus
+from sssd.calibration.replay import Example, accepted_lengths, matched_nodes, replay
 
 
 class ScriptedDrafter:

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import tree_to_paths, trie_continuations
 
 from sssd import _core
-
-from reference import trie_continuations, tree_to_paths
 
 
 @settings(max_examples=200, deadline=None)

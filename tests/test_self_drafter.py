@@ -14,15 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from sssd.serving.engine import ContextLengthExceeded, EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-from sssd.serving.planner import SelfSpecCostModel
-from sssd.serving.self_drafter import MAX_GAMMA, SelfDrafter, parse_self_spec
-from sssd.sources import parse_specs
-
 from test_model_drafter import chi_square_pvalue, two_token_probs
 from tiny_models import tiny_model
+
+from sssd.serving.drafting.self_drafter import MAX_GAMMA, SelfDrafter, parse_self_spec
+from sssd.serving.engine import ContextLengthExceeded, EngineConfig, LLMEngine
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.planning.planner import SelfSpecCostModel
+from sssd.sources import parse_specs
 
 # long enough prompts that a small budget keeps only part of them
 RNG = np.random.default_rng(0)
@@ -73,7 +72,7 @@ def test_a_small_budget_stays_lossless_and_drafts_from_gathered_tensors(llama, p
 
     def check_views():
         # every kept entry holds the verifier's K/V at its position (head 0 for SnapKV's per-head picks)
-        for r in eng.slots[: eng.num_decode]:
+        for r in eng.decoding():
             view = src._view.get(r.id)
             if view is None or r.id not in src._slot:
                 continue
@@ -118,9 +117,9 @@ def test_snapkv_selects_what_the_observation_window_attends_to(llama):
     src = eng.drafting.external[0]
     prompt = PROMPTS[2]
     eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    while eng.num_decode == 0:
+    while not eng.decoding():
         eng.step()
-    req = eng.slots[0]
+    req = eng.decoding()[0]
     cached = req.cached
     ring = min(23, max(src.obs_window, 24 // 4))
     keep, horizon = 24 - ring, cached - ring

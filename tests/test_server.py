@@ -15,13 +15,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
-from sssd.serving.api_server import create_app
-from sssd.serving.async_engine import AsyncEngine
-from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-
 from tiny_models import WORDS, tiny_model
+
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.frontends.api_server import create_app
+from sssd.serving.frontends.async_engine import AsyncEngine
 
 PROMPT = " ".join(WORDS[i] for i in (5, 9, 23, 7, 3, 40, 41, 42))
 

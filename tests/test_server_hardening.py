@@ -18,13 +18,12 @@ import time
 import httpx
 import numpy as np
 import pytest
+from test_server import PROMPT, Server, closing, free_port, offline
+from tiny_models import WORDS, tiny_model
 
 import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
-
-from test_server import PROMPT, Server, closing, free_port, offline
-from tiny_models import WORDS, tiny_model
+from sssd.serving.engine.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

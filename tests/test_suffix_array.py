@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import SEP, suffix_array
 
 import sssd
 from sssd import _core
-
-from reference import SEP, suffix_array
 
 token_lists = st.lists(
     st.one_of(st.integers(0, 5), st.integers(0, 70_000), st.just(SEP)), min_size=0, max_size=300

@@ -7,14 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model
 
 import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
-from sssd.serving.params import SamplingParams
+from sssd.serving.engine.params import SamplingParams
 from sssd.sources import DraftRequest, parse_specs
 from sssd.token_recycling import TokenRecycling, rank_prior, static_template
-
-from tiny_models import tiny_model
 
 PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 20, [60], [7, 8, 9, 7, 8, 9, 7, 8]]
 
@@ -165,8 +164,8 @@ def plain_outputs(llama):
 def test_the_backends_topk_comes_from_the_logits_of_every_node(llama):
     import torch
 
-    from sssd.serving.torch_backend import TorchBackend
-    from sssd.serving.tree_batch import pack, pack_chain
+    from sssd.serving.backends.torch_backend import TorchBackend
+    from sssd.serving.verify.tree_batch import pack, pack_chain
     from sssd.tree import DraftTree, concat
 
     be = TorchBackend(llama, slots=2, capacity=64)

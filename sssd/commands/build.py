@@ -20,18 +20,16 @@ examples:
 @command("build", help="Build a datastore (token stream + suffix array + manifest) from ShareGPT/JSON, JSONL, "
                        "Parquet, Arrow or text corpora, or the default datastore with --default.")
 def setup(p: argparse.ArgumentParser):
+    from sssd.commands import _args
     from sssd.datastore_builder.default import HELP as DEFAULT_HELP
-    from sssd.datastore_builder.readers import FORMATS, TEXT_SPLITS
+    from sssd.datastore_builder.readers import FORMATS, MAX_RECORD_BYTES, TEXT_SPLITS
     from sssd.datastore_builder.sharegpt import ROLE_CHOICES
     from sssd.datastore_builder.tokenize import BATCH_DOCS
-
-    from sssd.commands import _args
-    from sssd.datastore_builder.readers import MAX_RECORD_BYTES
 
     p.epilog = EPILOG
     p.add_argument("inputs", nargs="*", metavar="INPUT", type=_args.non_empty("input"),
                    help="corpus files, directories (searched recursively), glob patterns, or - for stdin")
-    p.add_argument("-o", "--output", type=_args.output_folder,
+    p.add_argument("-o", "--output", type=_args.folder(output=True),
                    help="the datastore directory to create (default with --default: the default datastore's place)")
     p.add_argument("-t", "--tokenizer", type=_args.file_or_folder,
                    help="a tokenizer.json, a local Hugging Face model folder, or a .gguf file")

@@ -149,7 +149,7 @@ def _fit_draft(name: str, target, examples, datastore, result, tokenizer, args):
     from tqdm import tqdm
 
     from sssd.calibration.hybrid import DEFAULT_DECAYS, DEFAULT_SCALES, discount_grid, fit_source_discount
-    from sssd.serving.model_drafter import ModelDrafter
+    from sssd.serving.drafting.model_drafter import ModelDrafter
 
     budget = result.default_budget
     batch = 8

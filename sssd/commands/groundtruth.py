@@ -70,6 +70,7 @@ def setup(p: argparse.ArgumentParser):
 
     def run(args: argparse.Namespace) -> int:
         from sssd.calibration import datasets, ground_truth
+        from sssd.commands._generate import generate
 
         log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         limit = None if args.split else args.limit  # a split first, then the limit
@@ -91,9 +92,9 @@ def setup(p: argparse.ArgumentParser):
         if name == "sharegpt-heldout" or args.recorded:
             summary = ground_truth.record(args.model, records, args.output, **common)
         else:
-            summary = ground_truth.generate(args.model, records, args.output, max_new_tokens=args.max_new_tokens,
-                                            dtype=args.dtype, threads=args.threads,
-                                            engine=args.engine, batch_size=args.batch_size, **common)
+            summary = generate(args.model, records, args.output, max_new_tokens=args.max_new_tokens,
+                               dtype=args.dtype, threads=args.threads, engine=args.engine,
+                               batch_size=args.batch_size, **common)
         out = summary.to_dict()
         if args.contamination or name == "sharegpt-heldout":
             try:

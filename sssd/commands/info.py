@@ -18,7 +18,7 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
     def run(args: argparse.Namespace) -> int:
-        from sssd.datastore_builder import archive
+        from sssd import archive
         from sssd.drafter import resolve_datastore
 
         target = Path(args.datastore).expanduser()

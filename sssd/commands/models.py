@@ -24,7 +24,7 @@ def setup(p: argparse.ArgumentParser):
     from sssd.models import DTYPES
 
     p.epilog = EPILOG
-    p.add_argument("--dir", metavar="DIR", type=_args.folder_if_exists,
+    p.add_argument("--dir", metavar="DIR", type=_args.folder(),
                    help="models folder (default: $SSSD_MODELS_DIR, else <sssd cache>/models)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="action", metavar="ACTION")

@@ -13,7 +13,7 @@ from sssd.cli import command
 @command("plan", help="Project the draft budget and the speedup per batch size for a model on named hardware "
                       "(a roofline projection from the hardware's peak FLOP/s and bandwidth, not a measurement).")
 def setup(p: argparse.ArgumentParser):
-    from sssd.serving.roofline import HARDWARE, MODELS
+    from sssd.serving.planning.roofline import HARDWARE, MODELS
 
     p.add_argument("--model", default="llama-3-8b",
                    help=f"a model shape ({', '.join(MODELS)}) or a Hugging Face config.json / model folder")
@@ -29,8 +29,8 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     def run(args: argparse.Namespace) -> int:
-        from sssd.serving.planner import mat_from_calibration
-        from sssd.serving.roofline import PAPER, ModelShape, projection
+        from sssd.serving.planning.planner import mat_from_calibration
+        from sssd.serving.planning.roofline import PAPER, ModelShape, projection
 
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")

@@ -153,7 +153,7 @@ def validate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ValueError(f"--drafter {e}") from None
     if args.device:  # before anything loads: a one-line error naming the device and what this machine has
-        from sssd.serving.devices import resolve
+        from sssd.serving.backends.devices import resolve
 
         resolve(args.device)  # DeviceError: "device 'cuda': this torch ... is a build without CUDA; ..."
     if getattr(args, "enable_admin", False) and not args.api_key and not _is_loopback(args.host):
@@ -223,9 +223,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from sssd.serving.api_server import create_app
-    from sssd.serving.async_engine import AsyncEngine
     from sssd.serving.engine import EngineConfig, LLMEngine
+    from sssd.serving.frontends.api_server import create_app
+    from sssd.serving.frontends.async_engine import AsyncEngine
 
     logging.basicConfig(level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -18,8 +18,8 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
+        from sssd import archive
         from sssd.datastore import Datastore, DatastoreError, read_manifest
-        from sssd.datastore_builder import archive
         path = _args.default_datastore() if args.datastore == "default" else Path(args.datastore).expanduser()
         if path.is_file():
             results = archive.verify(path)
@@ -74,7 +74,8 @@ def _check_file(folder: Path, name: str, info: dict) -> str:
 def _check_tokenizer(folder: Path, manifest: dict) -> str | None:
     """"OK" if the tokenizer file inside the datastore is the tokenizer its manifest
     records (sha256 identity and vocabulary), else why not; None if it records none."""
-    from sssd.datastore import DatastoreError, tokenizer_file, tokenizer_mismatch
+    from sssd.errors import DatastoreError
+    from sssd.manifest import tokenizer_file, tokenizer_mismatch
     from sssd.tokenizer import load_tokenizer
 
     try:

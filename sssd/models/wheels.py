@@ -18,8 +18,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from sssd.model_registry import Part
 from sssd.models._progress import Log, _stderr
-from sssd.models.registry import Part
 
 
 def installed_file(part: Part) -> Path | None:

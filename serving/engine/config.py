@@ -1,0 +1,79 @@
+"""EngineConfig: how an engine is sized and how it decodes (checked at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sssd
+
+#: Request ids are 63-bit non-negative ints everywhere (the API, the engine, the drafter).
+MAX_REQUEST_ID = 2**63 - 1
+#: What the engine drafts with unless told otherwise.
+DEFAULT_DRAFT = ("retrieval",)
+#: How drafting runs beside verification (EngineConfig.draft_mode).
+DRAFT_MODES = ("serial", "async")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing and behaviour.
+
+    Attributes:
+        max_running: KV slots: requests decoded concurrently (the batch size cap).
+        max_model_len: tokens per slot: prompt + output + one draft tree.
+        max_waiting: queued requests beyond which add_request refuses (back-pressure).
+        prefill_chunk: prompt tokens written per step across prefilling requests.
+        speculate: draft and verify (False: plain decoding, same engine).
+        budget: fixed draft budget; None lets the planner choose per step
+            (planner.py), which falls back to no speculation where it would not pay.
+        dtype / device / threads: how the model runs.
+        reprofile: measure the planner's forward-time profile again instead of using the cached one.
+        datastore_residency: how the datastores' pages are kept in memory (sssd.datastore.RESIDENCY):
+            "warm" (read in at start, the default), "lock" (also pinned: never reclaimed) or "lazy".
+        draft_mode: "serial" drafts each step before its forward pass; "async" grows the next
+            step's trees on a drafting thread while the target verifies (serving.async_draft),
+            where measured to pay (else those steps run serially).
+        draft_threads: torch threads of the async drafting thread (a draft model's passes);
+            None: as many as the verifier's.
+    """
+
+    max_running: int = 32
+    max_model_len: int = 2048
+    max_waiting: int = 1024
+    prefill_chunk: int = 512
+    speculate: bool = True
+    budget: int | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    threads: int | None = None
+    reprofile: bool = False
+    datastore_residency: str = "warm"
+    pipeline_stages: int = 1
+    draft_mode: str = "serial"
+    draft_threads: int | None = None
+
+    def __post_init__(self):
+        from sssd.datastore import RESIDENCY
+
+        if self.datastore_residency not in RESIDENCY:
+            raise ValueError(f"datastore_residency must be one of {', '.join(RESIDENCY)}, "
+                             f"got {self.datastore_residency!r}")
+        if isinstance(self.pipeline_stages, bool) or not isinstance(self.pipeline_stages, int) \
+                or self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be an int >= 1, got {self.pipeline_stages!r}")
+        if self.pipeline_stages > 1 and self.draft_mode != "serial":
+            raise ValueError(f"draft_mode {self.draft_mode!r} does not apply with pipeline stages: their decode loop "
+                             f"(SpecPipe, serving/drafting/specpipe.py) drafts serially")
+        for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
+        if self.draft_threads is not None and self.draft_threads < 1:
+            raise ValueError(f"draft_threads must be >= 1, got {self.draft_threads}")
+        if self.device is not None:  # before any model is pulled or loaded: what this machine has instead
+            from sssd.serving.backends.devices import resolve
+
+            resolve(self.device)
+        if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):
+            raise ValueError(f"budget must be in [0, {int(sssd._core.MAX_BUDGET)}], got {self.budget}")

@@ -1,0 +1,65 @@
+"""Offline generation in the shape of vLLM's API::
+
+    from sssd import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", datastore="default")
+    outputs = llm.generate(["Tell me about the sea."], SamplingParams(max_tokens=64))
+    outputs[0].text, outputs[0].token_ids, outputs[0].stats
+
+The same engine serves `sssd serve`. `sssd.LLM` is this class, imported on
+first use (``import sssd`` never loads torch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from sssd.serving.engine import DEFAULT_DRAFT, EngineConfig, LLMEngine, RequestOutput
+from sssd.serving.engine.params import SamplingParams
+
+#: The project's default target model (see `sssd models list`).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class LLM:
+    """A target model with SSSD speculation, for batch generation.
+
+    Args:
+        model: a model name from `sssd models list` or a local Hugging Face model folder.
+        datastore: a Datastore, a directory, "default", or None (draft from the prompt only);
+            or a list of them: the first drafts with the input source, each other one as a
+            draft source of its own (sssd.datastore_source.DatastoreSource).
+        drafter: a DrafterConfig, a CalibrationFile, or a config / `sssd calibrate` parameter
+            file (ValueError if malformed; one calibrated for another datastore, tokenizer or
+            model is replaced by the built-in defaults, with a warning). Default: the packaged
+            calibration when its fingerprint matches the model and datastore, else the defaults.
+        draft: the draft sources (sssd.sources): spec strings ("retrieval", ...) and
+            sssd.DraftSource objects; [] decodes plainly with the same engine.
+        speculate: False is draft=[].
+        budget: fixed draft budget; None lets the engine choose per batch size.
+        **engine: other EngineConfig fields (max_running, max_model_len, dtype, device, ...).
+    """
+
+    def __init__(self, model: str | Path = DEFAULT_MODEL, datastore: Any = "default", drafter: Any = None,
+                 draft: Sequence[Any] | str | None = DEFAULT_DRAFT, speculate: bool = True, budget: int | None = None,
+                 **engine: Any):
+        draft = draft if speculate else []
+        self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
+                                config=EngineConfig(speculate=speculate, budget=budget, **engine))
+
+    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates for each prompt (a text, token ids, or chat messages); outputs in order."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (dict, int))):
+            prompts = [prompts]  # one prompt: a text, token ids or one conversation
+        return self.engine.generate(list(prompts), sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, conversations: Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates the assistant's reply to each conversation (chat template applied)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.engine.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
