@@ -54,10 +54,14 @@ def main() -> int:
     ap.add_argument("--draft-model", default=None, help="draft model: name or folder (default: the target itself)")
     ap.add_argument("--datastore", default="default", help="retrieval's datastore, built with the target's tokenizer")
     ap.add_argument("--drafter", default=None, help="drafter config / `sssd calibrate` file for retrieval")
-    ap.add_argument("--expansion", default=",".join(map(str, DEFAULT_EXPANSION)),
-                    help="the draft model's tree: children per level, SpecInfer's <k1,...,km>")
-    ap.add_argument("--sources", nargs="+", default=["retrieval", "model", "hybrid"],
-                    choices=("retrieval", "model", "hybrid"))
+    ap.add_argument(
+        "--expansion",
+        default=",".join(map(str, DEFAULT_EXPANSION)),
+        help="the draft model's tree: children per level, SpecInfer's <k1,...,km>",
+    )
+    ap.add_argument(
+        "--sources", nargs="+", default=["retrieval", "model", "hybrid"], choices=("retrieval", "model", "hybrid")
+    )
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--set", default="humaneval", help="prompt set (bench_e2e.load_prompts)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -66,41 +70,65 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=8, help="fixed draft budget of every run")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the verifier (and shared drafting)")
-    ap.add_argument("--always-draft", action="store_true",
-                    help="the draft model drafts in every step beside retrieval (default: only where it pays)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every mode this many times, interleaved (serial, async, ..., serial, async, ...): "
-                         "on a shared machine, the spread between rounds is the noise")
+    ap.add_argument(
+        "--always-draft",
+        action="store_true",
+        help="the draft model drafts in every step beside retrieval (default: only where it pays)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every mode this many times, interleaved (serial, async, ..., serial, async, ...): "
+        "on a shared machine, the spread between rounds is the noise",
+    )
     ap.add_argument("--timeline", default="hybrid:1", help="SOURCES:B of the async run whose timeline is plotted")
     args = ap.parse_args()
     rec = Recorder("async", vars(args))
     max_b = max(args.batch_sizes)
-    config = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget,
-                          threads=args.threads)
+    config = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads)
     plain = LLMEngine(args.model, datastore=None, draft=[], config=config)
     backend = plain.backend  # one copy of the target for every run
     source = None
     if {"model", "hybrid"} & set(args.sources):
-        source = ModelDrafter(args.draft_model or args.model, target=backend.info.path,
-                              target_tokenizer=plain.tokenizer, slots=max_b, capacity=plain.max_model_len,
-                              expansion=args.expansion, threads=args.threads, complement=not args.always_draft)
+        source = ModelDrafter(
+            args.draft_model or args.model,
+            target=backend.info.path,
+            target_tokenizer=plain.tokenizer,
+            slots=max_b,
+            capacity=plain.max_model_len,
+            expansion=args.expansion,
+            threads=args.threads,
+            complement=not args.always_draft,
+        )
     sets = {"retrieval": ["retrieval"], "model": [source], "hybrid": ["retrieval", source]}
     engines = {}
     for name in args.sources:
         for mode in args.modes:
-            eng = LLMEngine(args.model, datastore=args.datastore if "retrieval" in sets[name] else None,
-                            drafter=args.drafter, draft=sets[name], backend=backend,
-                            config=EngineConfig(**{**config.__dict__,
-                                                   "draft_mode": "serial" if mode == "serial" else "async"}))
+            eng = LLMEngine(
+                args.model,
+                datastore=args.datastore if "retrieval" in sets[name] else None,
+                drafter=args.drafter,
+                draft=sets[name],
+                backend=backend,
+                config=EngineConfig(**{**config.__dict__, "draft_mode": "serial" if mode == "serial" else "async"}),
+            )
             if mode in ("async", "async-split"):
                 eng.mode_chooser = ModeChooser(fixed="async")
             if mode == "async-split":
-                eng.async_drafter.place(threads=1, cores={os.sched_getaffinity(0).__iter__().__next__() + 1}
-                                        if len(os.sched_getaffinity(0)) > 1 else None)
+                eng.async_drafter.place(
+                    threads=1,
+                    cores={os.sched_getaffinity(0).__iter__().__next__() + 1}
+                    if len(os.sched_getaffinity(0)) > 1
+                    else None,
+                )
             engines[(name, mode)] = eng
     target = Path(backend.info.path).name
-    print(f"target {target}, draft model {source.path.name if source else '-'}, budget {args.budget}, "
-          f"datastore {args.datastore}, machine {machine()}", flush=True)
+    print(
+        f"target {target}, draft model {source.path.name if source else '-'}, budget {args.budget}, "
+        f"datastore {args.datastore}, machine {machine()}",
+        flush=True,
+    )
     all_cores = os.sched_getaffinity(0)
     rows, timeline = [], None
     for B in args.batch_sizes:
@@ -124,19 +152,30 @@ def main() -> int:
                 if mode == "async" and f"{name}:{B}" == args.timeline:
                     timeline = list(eng.metrics.timeline)
                 ser = results.get("serial", s)
-                row = {"target": target, "draft_model": source.path.name if source else None, "set": args.set,
-                       "batch": B, "prompts": len(prompts), "sources": name, "mode": mode, "round": rnd,
-                       **{k: v for k, v in s.items() if k not in ("ids", "timeline")},
-                       "vs_serial": round(s["tokens_per_s"] / ser["tokens_per_s"], 3),
-                       "vs_plain": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
-                       "identical": s["ids"] == base["ids"]}
+                row = {
+                    "target": target,
+                    "draft_model": source.path.name if source else None,
+                    "set": args.set,
+                    "batch": B,
+                    "prompts": len(prompts),
+                    "sources": name,
+                    "mode": mode,
+                    "round": rnd,
+                    **{k: v for k, v in s.items() if k not in ("ids", "timeline")},
+                    "vs_serial": round(s["tokens_per_s"] / ser["tokens_per_s"], 3),
+                    "vs_plain": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
+                    "identical": s["ids"] == base["ids"],
+                }
                 rows.append(row)
                 rec.add(**row)
-                print(f"B={B:<3d} {name:9s} {mode:11s} {s['tokens_per_s']:7.2f} tok/s ({row['vs_serial']:.2f}x serial, "
-                      f"{row['vs_plain']:.2f}x plain)  MAT {s['mat']}  acc/step {s['accepted_per_step']}  "
-                      f"rerooted {s['rerooted']:.0%}  critical draft {s['critical_ms']:.1f} ms/step  thread "
-                      f"{s['thread_ms']:.1f} ms/step, hidden {s['hidden_ms']:.1f}  identical={row['identical']}"
-                      + (f"  chose {s['chose']}" if mode == "auto" else ""), flush=True)
+                print(
+                    f"B={B:<3d} {name:9s} {mode:11s} {s['tokens_per_s']:7.2f} tok/s ({row['vs_serial']:.2f}x serial, "
+                    f"{row['vs_plain']:.2f}x plain)  MAT {s['mat']}  acc/step {s['accepted_per_step']}  "
+                    f"rerooted {s['rerooted']:.0%}  critical draft {s['critical_ms']:.1f} ms/step  thread "
+                    f"{s['thread_ms']:.1f} ms/step, hidden {s['hidden_ms']:.1f}  identical={row['identical']}"
+                    + (f"  chose {s['chose']}" if mode == "auto" else ""),
+                    flush=True,
+                )
     print(table(rows))
     if timeline:
         path = plot(timeline, FIGURES / f"async_timeline_{target}.png", f"{target}, {args.timeline}, async")
@@ -157,22 +196,35 @@ def run(eng: LLMEngine, prompts: list, args, B: int, config: EngineConfig) -> di
     steps = max(len(tl), 1)
     critical = sum((e["prepared"] - e["start"]) + (e["waited"] - e["accepted_at"]) for e in tl)
     thread = sum(e.get("draft_end", 0) - e.get("draft_start", 0) for e in tl)
-    hidden = sum(max(0.0, min(e["draft_end"], e["forward"]) - max(e["draft_start"], e["launched"]))
-                 for e in tl if "draft_start" in e)
-    s.update(ids=[o.token_ids for o in outs], rerooted=((a.hits - hits0) / steps / max(B, 1)) if a else 0.0,
-             critical_ms=1e3 * critical / steps, thread_ms=1e3 * thread / steps, hidden_ms=1e3 * hidden / steps,
-             steps=len(tl), chose={m: sum(e["mode"] == m for e in tl) for m in ("serial", "async")})
+    hidden = sum(
+        max(0.0, min(e["draft_end"], e["forward"]) - max(e["draft_start"], e["launched"]))
+        for e in tl
+        if "draft_start" in e
+    )
+    s.update(
+        ids=[o.token_ids for o in outs],
+        rerooted=((a.hits - hits0) / steps / max(B, 1)) if a else 0.0,
+        critical_ms=1e3 * critical / steps,
+        thread_ms=1e3 * thread / steps,
+        hidden_ms=1e3 * hidden / steps,
+        steps=len(tl),
+        chose={m: sum(e["mode"] == m for e in tl) for m in ("serial", "async")},
+    )
     return s
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| batch | sources | mode | tok/s | vs serial | vs plain | MAT | accepted/step | rerooted | "
-             "critical drafting ms/step | thread ms/step | hidden ms/step | identical |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| batch | sources | mode | tok/s | vs serial | vs plain | MAT | accepted/step | rerooted | "
+        "critical drafting ms/step | thread ms/step | hidden ms/step | identical |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['sources']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
-                     f"{r['vs_serial']:.2f}x | {r['vs_plain']:.2f}x | {r['mat']} | {r['accepted_per_step']} | {r['rerooted']:.0%} | "
-                     f"{r['critical_ms']:.1f} | {r['thread_ms']:.1f} | {r['hidden_ms']:.1f} | {r['identical']} |")
+        lines.append(
+            f"| {r['batch']} | {r['sources']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
+            f"{r['vs_serial']:.2f}x | {r['vs_plain']:.2f}x | {r['mat']} | {r['accepted_per_step']} | {r['rerooted']:.0%} | "
+            f"{r['critical_ms']:.1f} | {r['thread_ms']:.1f} | {r['hidden_ms']:.1f} | {r['identical']} |"
+        )
     return "\n".join(lines)
 
 
@@ -188,15 +240,27 @@ def plot(timeline: list[dict], path: Path, title: str, steps: int = 24) -> Path:
     tl = timeline[:steps]
     t0 = tl[0]["start"]
     fig, ax = plt.subplots(figsize=(12, 2.6))
-    colors = {"drafting (serial)": "#4c72b0", "forward": "#dd8452", "acceptance": "#55a868",
-              "waiting / idle": "#c44e52", "emit + update": "#8172b3", "drafting thread": "#937860"}
+    colors = {
+        "drafting (serial)": "#4c72b0",
+        "forward": "#dd8452",
+        "acceptance": "#55a868",
+        "waiting / idle": "#c44e52",
+        "emit + update": "#8172b3",
+        "drafting thread": "#937860",
+    }
     used = set()
 
     def bar(lane, a, b, what):
         if b is None or a is None or b <= a:
             return
-        ax.broken_barh([(1e3 * (a - t0), 1e3 * (b - a))], (lane - 0.4, 0.8), color=colors[what],
-                       edgecolor="white", linewidth=0.4, label=None if what in used else what)
+        ax.broken_barh(
+            [(1e3 * (a - t0), 1e3 * (b - a))],
+            (lane - 0.4, 0.8),
+            color=colors[what],
+            edgecolor="white",
+            linewidth=0.4,
+            label=None if what in used else what,
+        )
         used.add(what)
 
     for e in tl:

@@ -54,9 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="sssd-bench-build-"))
     out_dir = work / "sharegpt-smollm2"
     try:
-        cfg = default_config(out_dir, overwrite=True, progress=False, num_threads=args.threads,
-                             holdout_every=args.holdout_every, log=lambda msg: print(msg, file=sys.stderr),
-                             fields=Fields(messages_field="conversations", roles=args.roles))
+        cfg = default_config(
+            out_dir,
+            overwrite=True,
+            progress=False,
+            num_threads=args.threads,
+            holdout_every=args.holdout_every,
+            log=lambda msg: print(msg, file=sys.stderr),
+            fields=Fields(messages_field="conversations", roles=args.roles),
+        )
         t0 = time.perf_counter()
         result = build_datastore(cfg)
         wall = time.perf_counter() - t0
@@ -104,14 +110,22 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"ShareGPT build ({args.roles} turns, holdout every {args.holdout_every}) on {info['cpu']}, "
-          f"{info['cores']} cores, load {info['load_avg_at_start']}")
+    print(
+        f"ShareGPT build ({args.roles} turns, holdout every {args.holdout_every}) on {info['cpu']}, "
+        f"{info['cores']} cores, load {info['load_avg_at_start']}"
+    )
     rows = [
         ("tokens", f"{row['tokens']:,}"),
         ("documents", f"{row['documents']:,} (+{row['heldout']:,} held-out conversations)"),
         *[(f"  {k} s", f"{v:.2f}") for k, v in stages.items()],
-        ("build wall s", f"{row['build_wall_seconds']:.2f} ({row['build_seconds_excluding_tokenizer_load']:.2f} without the tokenizer load)"),
-        ("suffix sort alone s", f"{sort_s:.2f} ({row['sort_tokens_per_second'] / 1e6:.1f}M tokens/s)" if sort_s else "-"),
+        (
+            "build wall s",
+            f"{row['build_wall_seconds']:.2f} ({row['build_seconds_excluding_tokenizer_load']:.2f} without the tokenizer load)",
+        ),
+        (
+            "suffix sort alone s",
+            f"{sort_s:.2f} ({row['sort_tokens_per_second'] / 1e6:.1f}M tokens/s)" if sort_s else "-",
+        ),
         ("write s (index - sort)", f"{row['write_seconds_estimate']:.2f}" if sort_s else "-"),
         ("tokenize tokens/s", f"{n / stages['tokenize'] / 1e6:.2f}M"),
         ("bytes/token (index)", f"{row['index_bytes_per_token']:.3f}"),

@@ -63,13 +63,15 @@ def main() -> int:
     from sssd.drafter import resolve_datastore
 
     ds = resolve_datastore("default")
-    text = np.asarray(ds.tokens[: 200_000], dtype=np.int64)
+    text = np.asarray(ds.tokens[:200_000], dtype=np.int64)
     text = text[text != sssd.SEPARATOR]
     rec = Recorder("copy_open", {"sizes": [2048, 8192, 32768]})
     fwd = forward_ms()
     print(f"SmolLM2 forward pass at one token: {fwd:.1f} ms" if fwd else "SmolLM2 not pulled: no forward-pass figure")
-    print(f"{'prompt':>22} {'open ms (copy)':>15} {'open ms (no copy)':>18} {'bytes/token':>12} {'extend us':>10} "
-          f"{'draft64 us':>11}")
+    print(
+        f"{'prompt':>22} {'open ms (copy)':>15} {'open ms (no copy)':>18} {'bytes/token':>12} {'extend us':>10} "
+        f"{'draft64 us':>11}"
+    )
     for n in (2048, 8192, 32768):
         for kind, prompt in (("text", text[:n]), ("one token repeated", np.full(n, 7, dtype=np.int64))):
             row = {"tokens": n, "kind": kind}
@@ -89,8 +91,10 @@ def main() -> int:
                     row["draft64_us"] = round(median_seconds(lambda: d.draft([0], 64), 20) * 1e6, 1)
                     d.close(0)
             rec.add(forward_ms=fwd, **row)
-            print(f"{n:>8} {kind:>13} {row['open_ms_copy']:>15.2f} {row['open_ms_no copy']:>18.2f} "
-                  f"{row['bytes_per_token']:>12.1f} {row['extend_us']:>10.1f} {row['draft64_us']:>11.1f}")
+            print(
+                f"{n:>8} {kind:>13} {row['open_ms_copy']:>15.2f} {row['open_ms_no copy']:>18.2f} "
+                f"{row['bytes_per_token']:>12.1f} {row['extend_us']:>10.1f} {row['draft64_us']:>11.1f}"
+            )
     return 0
 
 

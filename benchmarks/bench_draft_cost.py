@@ -71,10 +71,13 @@ def main() -> None:
         scratch.draft(np.zeros(1, np.uint64), np.array([args.budget], np.int32), None, None)
         scratch.close(0)
 
-    figures = {"sssd.draft(prefix)": per_call_us(lambda c: sssd.draft(c, args.budget), one),
-               "native one-shot (one scan of the context)": per_call_us(
-                   lambda c: native.draft_context(c.astype(np.uint32), args.budget), one),
-               "one-shot as before (request trie over the context)": per_call_us(before, one)}
+    figures = {
+        "sssd.draft(prefix)": per_call_us(lambda c: sssd.draft(c, args.budget), one),
+        "native one-shot (one scan of the context)": per_call_us(
+            lambda c: native.draft_context(c.astype(np.uint32), args.budget), one
+        ),
+        "one-shot as before (request trie over the context)": per_call_us(before, one),
+    }
     print(f"one-shot, budget {args.budget}, contexts of 200-2000 tokens:")
     for name, us in figures.items():
         print(f"  {name:52s} {us:8.0f} us")
@@ -84,9 +87,10 @@ def main() -> None:
     ids = np.arange(args.batch, dtype=np.uint64)
     budgets = np.full(args.batch, args.budget, np.int32)
     print(f"batch of {args.batch} open requests, budget {args.budget} (median of 15 calls):")
-    for name, cfg in (("fixed 16-token branches", sssd.DrafterConfig(datastore_branch_per_match=0,
-                                                                     datastore_max_branch_len=16)),
-                      ("defaults (adaptive depth)", sssd.DrafterConfig())):
+    for name, cfg in (
+        ("fixed 16-token branches", sssd.DrafterConfig(datastore_branch_per_match=0, datastore_max_branch_len=16)),
+        ("defaults (adaptive depth)", sssd.DrafterConfig()),
+    ):
         for threads in (1, 2):
             d = sssd.Drafter(ds, cfg, num_threads=threads)
             for k, c in enumerate(many):

@@ -95,7 +95,9 @@ class SuffixDecodingRunner(Runner):
         self.warm_seconds = drafter.warm.warm_seconds
 
     @classmethod
-    def warmed(cls, datastore_tokens: np.ndarray, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
+    def warmed(
+        cls, datastore_tokens: np.ndarray, spec_factor: float, min_prob: float, name: str
+    ) -> "SuffixDecodingRunner":
         from peers.suffix_decoding import SuffixDecodingDrafter, WarmCache
 
         warm = WarmCache(datastore_tokens, max_tree_depth=64)
@@ -103,7 +105,9 @@ class SuffixDecodingRunner(Runner):
 
     def settings(self, spec_factor: float, min_prob: float, name: str) -> "SuffixDecodingRunner":
         """The same warmed cache under other speculation settings (warming takes minutes)."""
-        other = SuffixDecodingRunner(self.drafter.with_settings(max_spec_factor=spec_factor, min_token_prob=min_prob), name)
+        other = SuffixDecodingRunner(
+            self.drafter.with_settings(max_spec_factor=spec_factor, min_token_prob=min_prob), name
+        )
         other.next_id = 1 << 40  # ids never collide with this runner's
         return other
 
@@ -143,13 +147,17 @@ def replay(runner, pairs, B: int, budget: int, steps: int, pair_offset: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datastore", default="default", help="datastore with heldout.jsonl (default: the default datastore)")
+    ap.add_argument(
+        "--datastore", default="default", help="datastore with heldout.jsonl (default: the default datastore)"
+    )
     ap.add_argument("--tokens-file", help="raw uint32 token stream instead (every 50th document held out)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=12, help="decoding steps per configuration")
     ap.add_argument("--threads", type=int, default=0, help="SSSD OpenMP threads (0: all cores)")
-    ap.add_argument("--peers", action="store_true", help="also run SuffixDecoding (needs benchmarks/peers/setup_arctic.sh)")
+    ap.add_argument(
+        "--peers", action="store_true", help="also run SuffixDecoding (needs benchmarks/peers/setup_arctic.sh)"
+    )
     ap.add_argument("--sd-spec-factor", type=float, default=4.0, help="SuffixDecoding max_spec_factor (swept setting)")
     ap.add_argument("--sd-min-prob", type=float, default=0.0, help="SuffixDecoding min_token_prob (swept setting)")
     args = ap.parse_args()
@@ -171,11 +179,15 @@ def main() -> int:
     print(f"datastore: {source}: {datastore.size:,} tokens; {len(pairs)} held-out (prompt, answer) pairs")
     rec = Recorder("draft_latency", {**vars(args), "datastore_tokens": datastore.size, "pairs": len(pairs)})
 
-    runners = [Runner(sssd.Drafter(datastore, num_threads=args.threads), "sssd"),
-               Runner(sssd.Drafter(datastore, num_threads=1), "sssd_1thread")]
+    runners = [
+        Runner(sssd.Drafter(datastore, num_threads=args.threads), "sssd"),
+        Runner(sssd.Drafter(datastore, num_threads=1), "sssd_1thread"),
+    ]
     if args.peers:
         print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
-        sd = SuffixDecodingRunner.warmed(np.asarray(ds_tokens), args.sd_spec_factor, args.sd_min_prob, "suffix_decoding")
+        sd = SuffixDecodingRunner.warmed(
+            np.asarray(ds_tokens), args.sd_spec_factor, args.sd_min_prob, "suffix_decoding"
+        )
         print(f"  done in {sd.warm_seconds:.0f} s")
         # Its defaults (max_spec_factor=1, min_token_prob=0.1) draft few tokens; the
         # swept setting (factor 4, min prob 0 by default) fills the budget like SSSD.
@@ -195,7 +207,15 @@ def main() -> int:
             us_req = ms * 1e3 / B
             upd_us = median(u) * 1e6 / B
             mat = 1 + float(np.mean(acc))
-            rec.add(system=r.name, batch=B, budget=budget, step_ms=ms, us_per_request=us_req, update_us_per_request=upd_us, mat=mat)
+            rec.add(
+                system=r.name,
+                batch=B,
+                budget=budget,
+                step_ms=ms,
+                us_per_request=us_req,
+                update_us_per_request=upd_us,
+                mat=mat,
+            )
             cells[(B, budget)].append(f"{ms:8.3f} {us_req:7.1f} {upd_us:4.1f} {mat:4.2f}")
             offset += B
         print(f"  {r.name}: done", flush=True)

@@ -103,20 +103,28 @@ def main() -> int:
     rec = Recorder("draft_threads", vars(args))
     print(machine())
     print(f"batch draft of {args.batch} requests at budget {args.budget}, median of {args.calls} (ms)")
-    print(f"{'situation':8s} {'wait policy':12s} {'1 thread':>9s} {'2 threads':>10s} {'2 vs 1':>7s} {'forward ms':>11s}")
+    print(
+        f"{'situation':8s} {'wait policy':12s} {'1 thread':>9s} {'2 threads':>10s} {'2 vs 1':>7s} {'forward ms':>11s}"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     for situation in ("alone", "after", "beside"):
         for policy in ("passive", "default", "active"):
-            proc = subprocess.run([sys.executable, "-c", CHILD, policy, situation, str(args.batch),
-                                   str(args.budget), str(args.calls)], capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, policy, situation, str(args.batch), str(args.budget), str(args.calls)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if proc.returncode != 0:
                 print(f"{situation} {policy}: failed: {proc.stderr.strip().splitlines()[-1]}")
                 continue
             r = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
             one, two = r[1]["draft_ms"], r[2]["draft_ms"]
             fwd = r[1]["forward_ms"]
-            print(f"{situation:8s} {policy:12s} {one:9.2f} {two:10.2f} {two / one:7.2f} "
-                  f"{'' if fwd is None else f'{fwd:11.1f}'}")
+            print(
+                f"{situation:8s} {policy:12s} {one:9.2f} {two:10.2f} {two / one:7.2f} "
+                f"{'' if fwd is None else f'{fwd:11.1f}'}"
+            )
             rec.add(situation=situation, wait_policy=policy, one_thread_ms=one, two_threads_ms=two, forward_ms=fwd)
     return 0
 

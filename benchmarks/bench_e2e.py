@@ -73,21 +73,29 @@ def summarize(outs, seconds: float) -> dict:
     lat = [(o.metrics["finish"] - o.metrics["arrival"]) / max(len(o.token_ids), 1) for o in outs]
     steps = sum(o.stats["steps"] for o in outs)
     accepted = sum(o.stats.get("accepted", 0) for o in outs)
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
-            "latency_ms_per_token": round(1e3 * float(np.mean(lat)), 2),
-            "mat": round(tokens / steps, 4) if steps else None,
-            "accepted_per_step": round(accepted / steps, 4) if steps else None}
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3),
+        "latency_ms_per_token": round(1e3 * float(np.mean(lat)), 2),
+        "mat": round(tokens / steps, 4) if steps else None,
+        "accepted_per_step": round(accepted / steps, 4) if steps else None,
+    }
 
 
 def ablation_table(rows) -> str:
     """The draft-source ablation as a markdown table (one line per set, batch size and draft set)."""
-    lines = ["| set | batch | draft sources | tok/s | vs plain | MAT | accepted/step | accepted by source | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | batch | draft sources | tok/s | vs plain | MAT | accepted/step | accepted by source | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         by = ", ".join(f"{k} {v}" for k, v in sorted(r["accepted_by_source"].items(), key=lambda kv: -kv[1])) or "-"
-        lines.append(f"| {r['set']} | {r['batch']} | {r['draft']} | {r['sssd']['tokens_per_s']:.1f} "
-                     f"(plain {r['plain']['tokens_per_s']:.1f}) | {r['speedup']:.2f}x | {r['sssd']['mat']} | "
-                     f"{r['sssd']['accepted_per_step']} | {by} | {r['identical']} |")
+        lines.append(
+            f"| {r['set']} | {r['batch']} | {r['draft']} | {r['sssd']['tokens_per_s']:.1f} "
+            f"(plain {r['plain']['tokens_per_s']:.1f}) | {r['speedup']:.2f}x | {r['sssd']['mat']} | "
+            f"{r['sssd']['accepted_per_step']} | {by} | {r['identical']} |"
+        )
     return "\n".join(lines)
 
 
@@ -114,35 +122,59 @@ def hf_prompt_lookup(model, eos: list[int], prompt_ids, max_tokens: int, referen
     for p, ref in zip(prompt_ids, reference):
         ids = torch.tensor([p])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, prompt_lookup_num_tokens=ngram,
-                                 eos_token_id=eos, pad_token_id=eos[0])
-        new = out[0, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                prompt_lookup_num_tokens=ngram,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )
+        new = out[0, ids.shape[1] :].tolist()
         tokens += len(new)
         same += new == list(ref)
     seconds = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
-            "identical_to_plain": f"{same}/{len(prompt_ids)}"}
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3),
+        "identical_to_plain": f"{same}/{len(prompt_ids)}",
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"], help="model names or folders")
-    ap.add_argument("--datastores", nargs="+", default=["default"],
-                    help="one per model: a datastore built with that model's tokenizer ('default' for SmolLM2)")
-    ap.add_argument("--drafter", default=None, help="drafter config / `sssd calibrate` parameter file (per model: same)")
+    ap.add_argument(
+        "--datastores",
+        nargs="+",
+        default=["default"],
+        help="one per model: a datastore built with that model's tokenizer ('default' for SmolLM2)",
+    )
+    ap.add_argument(
+        "--drafter", default=None, help="drafter config / `sssd calibrate` parameter file (per model: same)"
+    )
     ap.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set at batch 1 (fewest)")
-    ap.add_argument("--prompts-per-row", type=int, default=2,
-                    help="at batch B, max(--prompts, B x this) prompts, so every batch size runs full for a while")
+    ap.add_argument(
+        "--prompts-per-row",
+        type=int,
+        default=2,
+        help="at batch B, max(--prompts, B x this) prompts, so every batch size runs full for a while",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024, help="KV slot length (prompt + output + tree)")
     ap.add_argument("--budget", type=int, default=None, help="fixed draft budget (default: the planner chooses)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers prompt-lookup baseline")
-    ap.add_argument("--draft-sets", nargs="+", default=None,
-                    help="draft-source ablation: sets of sources to compare, each comma-separated "
-                         "(e.g. retrieval recycle retrieval,recycle retrieval,recycle,recent)")
+    ap.add_argument(
+        "--draft-sets",
+        nargs="+",
+        default=None,
+        help="draft-source ablation: sets of sources to compare, each comma-separated "
+        "(e.g. retrieval recycle retrieval,recycle retrieval,recycle,recent)",
+    )
     args = ap.parse_args()
     if len(args.datastores) == 1:
         args.datastores = args.datastores * len(args.models)
@@ -152,18 +184,30 @@ def main() -> int:
         max_b = max(args.batch_sizes)
         # One copy of the model (Qwen2.5-Coder-1.5B is 6 GB in float32): the plain runs are the same
         # engine with speculation off per request (SamplingParams(speculate=False)).
-        spec = LLMEngine(model, datastore=ds, drafter=args.drafter,
-                         config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads))
+        spec = LLMEngine(
+            model,
+            datastore=ds,
+            drafter=args.drafter,
+            config=EngineConfig(
+                max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads
+            ),
+        )
         name = Path(spec.backend.info.path).name
         hf_jobs = []  # batch-1 rows for transformers' prompt lookup, run once the engine is gone
         if spec.planner.profile is not None:
-            print(f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table()))
+            print(
+                f"{name}: planner choices " + ", ".join(f"B={r['batch']}: {r['budget']}" for r in spec.planner.table())
+            )
         curves[name] = []
         ablation = {}
         if args.draft_sets:
             print(f"{name}: draft-source ablation over {args.draft_sets}")
-            ablation = {d: LLMEngine(model, datastore=ds, drafter=args.drafter, draft=d, backend=spec.backend,
-                                     config=spec.config) for d in args.draft_sets}
+            ablation = {
+                d: LLMEngine(
+                    model, datastore=ds, drafter=args.drafter, draft=d, backend=spec.backend, config=spec.config
+                )
+                for d in args.draft_sets
+            }
         for dataset in args.sets:
             sizes = [max(args.prompts, args.prompts_per_row * B) for B in args.batch_sizes]
             all_prompts = load_prompts(dataset, sum(sizes) if ablation else max(sizes))
@@ -186,8 +230,17 @@ def main() -> int:
                 same = all(a.token_ids == b.token_ids for a, b in zip(so, po))
                 budgets = dict(sorted(spec.metrics.budgets.items()))
                 spec.metrics.budgets.clear()
-                row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "sssd": s, "plain": p,
-                       "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3), "identical": same, "budgets": budgets}
+                row = {
+                    "model": name,
+                    "set": dataset,
+                    "batch": B,
+                    "prompts": len(prompts),
+                    "sssd": s,
+                    "plain": p,
+                    "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3),
+                    "identical": same,
+                    "budgets": budgets,
+                }
                 predicted = predicted_speedup(spec, B, s["mat"], budgets)
                 if predicted:
                     row["predicted"] = predicted
@@ -195,10 +248,12 @@ def main() -> int:
                 if B == 1 and not args.no_hf:
                     hf_jobs.append((row, [spec.encode(p) for p in prompts], [o.token_ids for o in po]))
                 curves[name].append(row)
-                print(f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "
-                      f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
-                      f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}",
-                      flush=True)
+                print(
+                    f"{name:24s} {dataset:9s} B={B:<3d} sssd {s['tokens_per_s']:7.2f} tok/s {s['latency_ms_per_token']:8.1f} ms/tok "
+                    f"MAT {s['mat']}  | plain {p['tokens_per_s']:7.2f} tok/s {p['latency_ms_per_token']:8.1f} ms/tok "
+                    f"| speedup {row['speedup']:.2f}x (predicted {row.get('predicted')}) identical={same} budgets={budgets}",
+                    flush=True,
+                )
         if args.draft_sets:
             print(ablation_table(curves[name]))
         else:
@@ -217,15 +272,19 @@ def main() -> int:
             rec.add(**row)
             if "hf_prompt_lookup" in row:
                 h = row["hf_prompt_lookup"]
-                print(f"{name:24s} {row['set']:9s} B=1   HF prompt lookup {h['tokens_per_s']:7.2f} tok/s "
-                      f"(SSSD {row['sssd']['tokens_per_s']:.2f}, plain {row['plain']['tokens_per_s']:.2f}; "
-                      f"identical to plain {h['identical_to_plain']})", flush=True)
+                print(
+                    f"{name:24s} {row['set']:9s} B=1   HF prompt lookup {h['tokens_per_s']:7.2f} tok/s "
+                    f"(SSSD {row['sssd']['tokens_per_s']:.2f}, plain {row['plain']['tokens_per_s']:.2f}; "
+                    f"identical to plain {h['identical_to_plain']})",
+                    flush=True,
+                )
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
 
 
-def ablation_rows(engines: dict[str, LLMEngine], args, dataset: str, B: int, prompts, plain_outs,
-                  plain_seconds: float) -> list[dict]:
+def ablation_rows(
+    engines: dict[str, LLMEngine], args, dataset: str, B: int, prompts, plain_outs, plain_seconds: float
+) -> list[dict]:
     """One row per draft set: its engine generates the prompts (at most B at once), compared with
     the plain run."""
     p = summarize(plain_outs, plain_seconds)
@@ -239,18 +298,30 @@ def ablation_rows(engines: dict[str, LLMEngine], args, dataset: str, B: int, pro
         budgets = dict(sorted(eng.metrics.budgets.items()))
         by = {k: v - before.get(k, 0) for k, v in eng.metrics.accepted_by_source.items() if v > before.get(k, 0)}
         name = Path(eng.backend.info.path).name
-        row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts), "draft": draft, "sssd": s,
-               "plain": p, "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3),
-               "identical": all(a.token_ids == b.token_ids for a, b in zip(outs, plain_outs)), "budgets": budgets,
-               "accepted_by_source": by}
+        row = {
+            "model": name,
+            "set": dataset,
+            "batch": B,
+            "prompts": len(prompts),
+            "draft": draft,
+            "sssd": s,
+            "plain": p,
+            "speedup": round(s["tokens_per_s"] / p["tokens_per_s"], 3),
+            "identical": all(a.token_ids == b.token_ids for a, b in zip(outs, plain_outs)),
+            "budgets": budgets,
+            "accepted_by_source": by,
+        }
         predicted = predicted_speedup(eng, B, s["mat"], budgets)
         if predicted:
             row["predicted"] = predicted
         rows.append(row)
-        print(f"{name:24s} {dataset:9s} B={B:<3d} {draft:28s} {s['tokens_per_s']:7.2f} tok/s "
-              f"(plain {p['tokens_per_s']:7.2f}) {row['speedup']:.2f}x MAT {s['mat']} "
-              f"accepted/step {s['accepted_per_step']} by source {by} identical={row['identical']} "
-              f"budgets={budgets}", flush=True)
+        print(
+            f"{name:24s} {dataset:9s} B={B:<3d} {draft:28s} {s['tokens_per_s']:7.2f} tok/s "
+            f"(plain {p['tokens_per_s']:7.2f}) {row['speedup']:.2f}x MAT {s['mat']} "
+            f"accepted/step {s['accepted_per_step']} by source {by} identical={row['identical']} "
+            f"budgets={budgets}",
+            flush=True,
+        )
     return rows
 
 
@@ -263,9 +334,18 @@ def plot(rows, name: str, engine: LLMEngine) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
     for key, label in (("sssd", "SSSD"), ("plain", "no speculation")):
         for dataset in sorted({r["set"] for r in rows}):
-            pts = sorted((r["batch"], r[key]["tokens_per_s"], r[key]["latency_ms_per_token"]) for r in rows if r["set"] == dataset)
-            ax[0].plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=f"{label}, {dataset}",
-                       linestyle="-" if key == "sssd" else "--")
+            pts = sorted(
+                (r["batch"], r[key]["tokens_per_s"], r[key]["latency_ms_per_token"])
+                for r in rows
+                if r["set"] == dataset
+            )
+            ax[0].plot(
+                [p[1] for p in pts],
+                [p[2] for p in pts],
+                marker="o",
+                label=f"{label}, {dataset}",
+                linestyle="-" if key == "sssd" else "--",
+            )
             for b, x, y in pts:
                 ax[0].annotate(str(b), (x, y), fontsize=7)
     ax[0].set_xlabel("throughput (output tokens/s)")

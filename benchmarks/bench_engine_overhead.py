@@ -28,9 +28,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Recorder, machine  # noqa: E402
 
-PROMPTS = ["Write a haiku about the sea.", "Explain what a suffix array is.", "Give me three tips for learning Python.",
-           "What is the capital of France, and why is it famous?", "Describe a sunset over the mountains.",
-           "How do I boil an egg?", "Summarise the plot of Hamlet.", "Why is the sky blue?"]
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain what a suffix array is.",
+    "Give me three tips for learning Python.",
+    "What is the capital of France, and why is it famous?",
+    "Describe a sunset over the mountains.",
+    "How do I boil an egg?",
+    "Summarise the plot of Hamlet.",
+    "Why is the sky blue?",
+]
 
 
 class Timed:
@@ -60,8 +67,10 @@ def measure(engine, timers, batch: int, steps: int, max_tokens: int) -> dict:
 
     body, head = timers
     for i in range(batch):
-        engine.add_request([{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}],
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(
+            [{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
     while len(engine.decoding()) < batch:  # admit and prefill everyone first
         engine.step()
     m = engine.metrics
@@ -78,12 +87,18 @@ def measure(engine, timers, batch: int, steps: int, max_tokens: int) -> dict:
     for rid in list(engine.requests):  # drain
         engine.abort(rid)
     engine.step()
-    return {"batch": batch, "steps": n, "step_ms": round(1e3 * wall / n, 2), "forward_ms": round(1e3 * forward / n, 2),
-            "head_ms": round(1e3 * head_s / n, 2), "draft_ms": round(1e3 * draft / n, 3),
-            "overhead": round((wall - forward) / forward, 4),
-            "overhead_head": round(head_s / forward, 4),
-            "overhead_drafting": round(draft / forward, 4),
-            "overhead_rest": round((wall - forward - head_s - draft) / forward, 4)}
+    return {
+        "batch": batch,
+        "steps": n,
+        "step_ms": round(1e3 * wall / n, 2),
+        "forward_ms": round(1e3 * forward / n, 2),
+        "head_ms": round(1e3 * head_s / n, 2),
+        "draft_ms": round(1e3 * draft / n, 3),
+        "overhead": round((wall - forward) / forward, 4),
+        "overhead_head": round(head_s / forward, 4),
+        "overhead_drafting": round(draft / forward, 4),
+        "overhead_rest": round((wall - forward - head_s - draft) / forward, 4),
+    }
 
 
 def main() -> int:
@@ -97,9 +112,14 @@ def main() -> int:
     args = ap.parse_args()
     from sssd.serving.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(args.model, datastore="default", drafter=args.drafter,
-                       config=EngineConfig(max_running=max(args.batch_sizes), max_model_len=1024, budget=args.budget,
-                                           threads=args.threads))
+    engine = LLMEngine(
+        args.model,
+        datastore="default",
+        drafter=args.drafter,
+        config=EngineConfig(
+            max_running=max(args.batch_sizes), max_model_len=1024, budget=args.budget, threads=args.threads
+        ),
+    )
     model = model_of(engine)
     timers = (Timed(model.model), Timed(model.get_output_embeddings()))
     rec = Recorder("engine_overhead", vars(args))

@@ -7,6 +7,7 @@ tokens/s and the forward time per decode step.
 
 Usage: python benchmarks/bench_gqa_attention.py
 """
+
 import sysconfig
 from pathlib import Path
 
@@ -26,9 +27,12 @@ def old(module, query, key, value, attention_mask, scaling=None, dropout=0.0, so
     out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
+
 code = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
-eng = LLMEngine("smollm2-135m-instruct", datastore=None, draft=[], config=EngineConfig(max_model_len=8192, max_running=4, threads=2))
-prompts = [[{"role": "user", "content": code[i*3000:i*3000+18000] + "\nSummarise."}] for i in range(4)]
+eng = LLMEngine(
+    "smollm2-135m-instruct", datastore=None, draft=[], config=EngineConfig(max_model_len=8192, max_running=4, threads=2)
+)
+prompts = [[{"role": "user", "content": code[i * 3000 : i * 3000 + 18000] + "\nSummarise."}] for i in range(4)]
 print("prompt tokens", [len(eng.encode(p)) for p in prompts])
 from sssd.serving.engine import EngineMetrics  # noqa: E402
 
@@ -38,6 +42,9 @@ for rnd in range(2):
         eng.metrics = EngineMetrics()
         eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
         m = eng.metrics
-        print(f"round {rnd} {name}: prefill {m.prefill_tokens} tok in {m.prefill_seconds:.1f} s "
-              f"({m.prefill_tokens/m.prefill_seconds:.0f} tok/s); decode {m.steps} steps, forward "
-              f"{m.forward_seconds/m.steps*1000:.0f} ms/step", flush=True)
+        print(
+            f"round {rnd} {name}: prefill {m.prefill_tokens} tok in {m.prefill_seconds:.1f} s "
+            f"({m.prefill_tokens / m.prefill_seconds:.0f} tok/s); decode {m.steps} steps, forward "
+            f"{m.forward_seconds / m.steps * 1000:.0f} ms/step",
+            flush=True,
+        )

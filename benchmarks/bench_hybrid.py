@@ -53,8 +53,11 @@ def main() -> int:
     ap.add_argument("--draft-model", default=None, help="draft model: name or folder (default: the target itself)")
     ap.add_argument("--datastore", default="default", help="retrieval's datastore, built with the target's tokenizer")
     ap.add_argument("--drafter", default=None, help="drafter config / `sssd calibrate` file for retrieval")
-    ap.add_argument("--expansion", default=",".join(map(str, DEFAULT_EXPANSION)),
-                    help="the draft model's tree: children per level, SpecInfer's <k1,...,km>")
+    ap.add_argument(
+        "--expansion",
+        default=",".join(map(str, DEFAULT_EXPANSION)),
+        help="the draft model's tree: children per level, SpecInfer's <k1,...,km>",
+    )
     ap.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts-per-row", type=int, default=2, help="B x this prompts per set at batch B")
@@ -62,27 +65,48 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=8, help="fixed draft budget of every set")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="runs of every configuration per set and batch size, interleaved (each round starts one "
-                         "configuration later); ratios are taken within a round, and their median reported")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every configuration per set and batch size, interleaved (each round starts one "
+        "configuration later); ratios are taken within a round, and their median reported",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be 1 or more, got {args.rounds}")
     rec = Recorder("hybrid", vars(args))
     max_b = max(args.batch_sizes)
-    config = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget,
-                          threads=args.threads)
+    config = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=args.budget, threads=args.threads)
     plain = LLMEngine(args.model, datastore=None, draft=[], config=config)
     backend = plain.backend  # one copy of the target for every set
-    source = ModelDrafter(args.draft_model or args.model, target=backend.info.path, target_tokenizer=plain.tokenizer,
-                          slots=max_b, capacity=plain.max_model_len, expansion=args.expansion, threads=args.threads)
+    source = ModelDrafter(
+        args.draft_model or args.model,
+        target=backend.info.path,
+        target_tokenizer=plain.tokenizer,
+        slots=max_b,
+        capacity=plain.max_model_len,
+        expansion=args.expansion,
+        threads=args.threads,
+    )
     sets = {"retrieval": ["retrieval"], "model": [source], "hybrid": ["retrieval", source]}
-    engines = {name: LLMEngine(args.model, datastore=args.datastore if "retrieval" in draft else None,
-                               drafter=args.drafter, draft=draft, backend=backend, config=config)
-               for name, draft in sets.items()}
+    engines = {
+        name: LLMEngine(
+            args.model,
+            datastore=args.datastore if "retrieval" in draft else None,
+            drafter=args.drafter,
+            draft=draft,
+            backend=backend,
+            config=config,
+        )
+        for name, draft in sets.items()
+    }
     target, drafter = Path(backend.info.path).name, source.path.name
-    print(f"target {target}, draft model {drafter} {list(source.expansion)}, budget {args.budget}, "
-          f"datastore {args.datastore}", flush=True)
+    print(
+        f"target {target}, draft model {drafter} {list(source.expansion)}, budget {args.budget}, "
+        f"datastore {args.datastore}",
+        flush=True,
+    )
     rows = []
     configs = [("plain", plain), *engines.items()]
     for _, eng in configs:  # warm-up, not measured: first-call costs (the planner's profile, allocations)
@@ -93,33 +117,53 @@ def main() -> int:
             rounds = []
             for r in range(args.rounds):
                 # each round starts one configuration later, so that none always runs first or last
-                order = configs[r % len(configs):] + configs[:r % len(configs)]
+                order = configs[r % len(configs) :] + configs[: r % len(configs)]
                 results = {name: run(eng, B, config, prompts, args.max_tokens) for name, eng in order}
                 rounds.append(results)
                 base = results["plain"]
                 for name, _ in configs:
                     s = results[name]
-                    row = {"target": target, "draft_model": drafter, "expansion": list(source.expansion),
-                           "set": dataset, "batch": B, "prompts": len(prompts), "round": r, "sources": name,
-                           **{k: v for k, v in s.items() if k != "ids"},
-                           "speedup": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
-                           "identical": s["ids"] == base["ids"]}
+                    row = {
+                        "target": target,
+                        "draft_model": drafter,
+                        "expansion": list(source.expansion),
+                        "set": dataset,
+                        "batch": B,
+                        "prompts": len(prompts),
+                        "round": r,
+                        "sources": name,
+                        **{k: v for k, v in s.items() if k != "ids"},
+                        "speedup": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
+                        "identical": s["ids"] == base["ids"],
+                    }
                     rows.append(row)
                     rec.add(**row)
-                    print(f"{dataset:9s} B={B:<3d} round {r} {name:9s} {s['tokens_per_s']:7.2f} tok/s "
-                          f"({row['speedup']:.2f}x) MAT {s['mat']}  accepted/step {s['accepted_per_step']}  "
-                          f"drafting {s['draft_share']:.0%}  model asked {s['model_asked']}  "
-                          f"identical={row['identical']}  {s['accepted_by_source']}"
-                          + (f"  arms {s['arm_rates']}" if s.get("arm_rates") else ""), flush=True)
-            ratios = [x["hybrid"]["tokens_per_s"] / max(x["retrieval"]["tokens_per_s"], x["model"]["tokens_per_s"])
-                      for x in rounds]
-            summary = {"set": dataset, "batch": B, "rounds": len(rounds),
-                       **{f"{name}_tokens_per_s": median([x[name]["tokens_per_s"] for x in rounds]) for name, _ in configs},
-                       "hybrid_over_better_single": [round(v, 3) for v in ratios],
-                       "hybrid_over_better_single_median": round(median(ratios), 3)}
+                    print(
+                        f"{dataset:9s} B={B:<3d} round {r} {name:9s} {s['tokens_per_s']:7.2f} tok/s "
+                        f"({row['speedup']:.2f}x) MAT {s['mat']}  accepted/step {s['accepted_per_step']}  "
+                        f"drafting {s['draft_share']:.0%}  model asked {s['model_asked']}  "
+                        f"identical={row['identical']}  {s['accepted_by_source']}"
+                        + (f"  arms {s['arm_rates']}" if s.get("arm_rates") else ""),
+                        flush=True,
+                    )
+            ratios = [
+                x["hybrid"]["tokens_per_s"] / max(x["retrieval"]["tokens_per_s"], x["model"]["tokens_per_s"])
+                for x in rounds
+            ]
+            summary = {
+                "set": dataset,
+                "batch": B,
+                "rounds": len(rounds),
+                **{f"{name}_tokens_per_s": median([x[name]["tokens_per_s"] for x in rounds]) for name, _ in configs},
+                "hybrid_over_better_single": [round(v, 3) for v in ratios],
+                "hybrid_over_better_single_median": round(median(ratios), 3),
+            }
             rec.add(**summary)
-            print(f"{dataset:9s} B={B:<3d} hybrid tok/s / better single, per round: "
-                  f"{', '.join(f'{v:.2f}x' for v in ratios)} (median {median(ratios):.2f}x)", flush=True)
+            print(
+                f"{dataset:9s} B={B:<3d} hybrid tok/s / better single, per round: "
+                f"{', '.join(f'{v:.2f}x' for v in ratios)} (median {median(ratios):.2f}x)",
+                flush=True,
+            )
     print(table(rows))
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
@@ -140,8 +184,9 @@ def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens:
     s["draft_share"] = round(m.draft_seconds / max(m.draft_seconds + m.forward_seconds, 1e-9), 3)
     s["accepted_by_source"] = dict(m.accepted_by_source)
     # hybrid: the share of steps the draft model drafted in (the deferral's choice)
-    s["model_asked"] = (round(gate.asked / (gate.asked + gate.deferred), 3)
-                        if gate is not None and gate.asked + gate.deferred else None)
+    s["model_asked"] = (
+        round(gate.asked / (gate.asked + gate.deferred), 3) if gate is not None and gate.asked + gate.deferred else None
+    )
     if gate is not None:  # the deferral's measured tokens/s per arm at this batch size (serial steps)
         s["arm_rates"] = {a: round(r, 3) for a, r in gate.policy.rates().get(("serial", bucket(B)), {}).items()}
     s["ids"] = [o.token_ids for o in outs]
@@ -150,11 +195,15 @@ def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens:
 
 def table(rows: list[dict]) -> str:
     """Markdown: per set and batch size, each source set's tokens/s and MAT side by side."""
-    lines = ["| set | batch | round | sources | tok/s | vs plain | MAT | accepted/step | drafting share | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | batch | round | sources | tok/s | vs plain | MAT | accepted/step | drafting share | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['batch']} | {r['round']} | {r['sources']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
-                     f"{r['mat']} | {r['accepted_per_step']} | {r['draft_share']:.0%} | {r['identical']} |")
+        lines.append(
+            f"| {r['set']} | {r['batch']} | {r['round']} | {r['sources']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['mat']} | {r['accepted_per_step']} | {r['draft_share']:.0%} | {r['identical']} |"
+        )
     return "\n".join(lines)
 
 

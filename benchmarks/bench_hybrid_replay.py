@@ -60,13 +60,19 @@ def main() -> int:
     rec = Recorder("hybrid_replay", vars(args))
     ds = resolve_datastore(args.datastore)
     cal = CalibrationFile.load(args.drafter) if args.drafter else None
-    cfg = (cal.config(args.budget) if cal else DrafterConfig(budget=args.budget))
+    cfg = cal.config(args.budget) if cal else DrafterConfig(budget=args.budget)
     target = resolve_model(args.model)
     expansion = args.expansion or ",".join(map(str, DEFAULT_EXPANSION))
 
     def drafter(longest: int) -> ModelDrafter:
-        return ModelDrafter(args.draft_model, target=target, slots=args.batch_size, expansion=expansion,
-                            capacity=longest + 2 * args.budget + 2, complement=False)
+        return ModelDrafter(
+            args.draft_model,
+            target=target,
+            slots=args.batch_size,
+            expansion=expansion,
+            capacity=longest + 2 * args.budget + 2,
+            complement=False,
+        )
 
     rows = []
     for path in args.groundtruth:
@@ -84,26 +90,54 @@ def main() -> int:
         mats["retrieval"] = replay(sssd.Drafter(ds, cfg), examples, args.budget, batch_size=args.batch_size).mat
         alone_cfg = cfg.replace(use_datastore=False, use_input=False)
         d = drafter(longest)
-        mats["model"] = fit_source_discount(examples, None, alone_cfg, d, args.budget, [d.discount],
-                                            batch_size=args.batch_size, vocab_size=d.backend.info.vocab_size).reference_mat
+        mats["model"] = fit_source_discount(
+            examples,
+            None,
+            alone_cfg,
+            d,
+            args.budget,
+            [d.discount],
+            batch_size=args.batch_size,
+            vocab_size=d.backend.info.vocab_size,
+        ).reference_mat
         d = drafter(longest)
         default = d.discount
-        mats["hybrid default"] = fit_source_discount(examples, ds, cfg, d, args.budget, [default],
-                                                     batch_size=args.batch_size,
-                                                     vocab_size=d.backend.info.vocab_size).reference_mat
+        mats["hybrid default"] = fit_source_discount(
+            examples,
+            ds,
+            cfg,
+            d,
+            args.budget,
+            [default],
+            batch_size=args.batch_size,
+            vocab_size=d.backend.info.vocab_size,
+        ).reference_mat
         fitted = source_discount(cal, d.calibration_key)
         if fitted is not None:
             d = drafter(longest)
-            mats["hybrid fitted"] = fit_source_discount(examples, ds, cfg, d, args.budget, [fitted],
-                                                        batch_size=args.batch_size,
-                                                        vocab_size=d.backend.info.vocab_size).reference_mat
+            mats["hybrid fitted"] = fit_source_discount(
+                examples,
+                ds,
+                cfg,
+                d,
+                args.budget,
+                [fitted],
+                batch_size=args.batch_size,
+                vocab_size=d.backend.info.vocab_size,
+            ).reference_mat
         single = max(mats["retrieval"], mats["model"])
-        row = {"set": name, "examples": len(examples), "tokens": int(sum(len(e.output) for e in examples)),
-               "budget": args.budget, **{k: round(v, 3) for k, v in mats.items()},
-               "fitted_discount": None if fitted is None else {"scale": fitted.scale, "depth_decay": fitted.depth_decay},
-               "best_hybrid_over_better_single": round(max(v for k, v in mats.items() if k.startswith("hybrid"))
-                                                       / single, 3),
-               "seconds": round(time.perf_counter() - t0, 1)}
+        row = {
+            "set": name,
+            "examples": len(examples),
+            "tokens": int(sum(len(e.output) for e in examples)),
+            "budget": args.budget,
+            **{k: round(v, 3) for k, v in mats.items()},
+            "fitted_discount": None if fitted is None else {"scale": fitted.scale, "depth_decay": fitted.depth_decay},
+            "best_hybrid_over_better_single": round(
+                max(v for k, v in mats.items() if k.startswith("hybrid")) / single, 3
+            ),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         rec.add(**row)
         rows.append(row)
         print(row, file=sys.stderr, flush=True)

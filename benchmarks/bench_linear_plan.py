@@ -63,8 +63,12 @@ def main() -> int:
         args.datastores = args.datastores * len(args.models)
     rec = Recorder("linear_plan", vars(args))
     for model, ds in zip(args.models, args.datastores):
-        config = EngineConfig(max_running=max(args.batch_sizes), max_model_len=args.max_model_len, budget=args.budget,
-                              threads=args.threads)
+        config = EngineConfig(
+            max_running=max(args.batch_sizes),
+            max_model_len=args.max_model_len,
+            budget=args.budget,
+            threads=args.threads,
+        )
         planned = LLMEngine(model, datastore=ds, drafter=args.drafter, config=config)
         backend, plan = planned.backend, planned.backend.linear_plan
         if plan is None:
@@ -75,15 +79,19 @@ def main() -> int:
         torch_engine = LLMEngine(model, datastore=ds, drafter=args.drafter, config=config, backend=backend)
         engines = {"torch": (torch_engine, None), "planned": (planned, plan)}
         name = Path(backend.info.path).name
-        print(f"{name}: {layers} linear layers take the transposed form at some row count; "
-              f"planner budgets torch {[r['budget'] for r in torch_engine.planner.table((1, 4, 16))]}, "
-              f"planned {[r['budget'] for r in planned.planner.table((1, 4, 16))]} (batch 1, 4, 16)")
+        print(
+            f"{name}: {layers} linear layers take the transposed form at some row count; "
+            f"planner budgets torch {[r['budget'] for r in torch_engine.planner.table((1, 4, 16))]}, "
+            f"planned {[r['budget'] for r in planned.planner.table((1, 4, 16))]} (batch 1, 4, 16)"
+        )
         for engine, p in engines.values():  # warm-up: the first generate of a process pays one-off costs
             use(backend, p)
             for speculate in (False, True):
                 run(engine, load_prompts(args.sets[0], 1), 16, speculate=speculate)
         for dataset in args.sets:
-            prompts_all = load_prompts(dataset, max(max(args.prompts, args.prompts_per_row * B) for B in args.batch_sizes))
+            prompts_all = load_prompts(
+                dataset, max(max(args.prompts, args.prompts_per_row * B) for B in args.batch_sizes)
+            )
             for B in args.batch_sizes:
                 prompts = prompts_all[: max(args.prompts, args.prompts_per_row * B)]
                 res, outs, rates = {}, {}, {}
@@ -101,22 +109,33 @@ def main() -> int:
                 lossless = {k: outs[("sssd", k)] == outs[("plain", k)] for k in engines}
                 shared = sum(a == b for a, b in zip(outs[("plain", "torch")], outs[("plain", "planned")]))
                 rate = {k: v["tokens_per_s"] for k, v in res.items()}
-                row = {"model": name, "set": dataset, "batch": B, "prompts": len(prompts),
-                       "runs": {f"{a}_{b}": v for (a, b), v in res.items()},
-                       "planned_over_torch": {"plain": round(rate[("plain", "planned")] / rate[("plain", "torch")], 3),
-                                              "sssd": round(rate[("sssd", "planned")] / rate[("sssd", "torch")], 3)},
-                       "sssd_over_plain": {k: round(rate[("sssd", k)] / rate[("plain", k)], 3) for k in engines},
-                       "sssd_planned_over_plain_torch": round(rate[("sssd", "planned")] / rate[("plain", "torch")], 3),
-                       "lossless": lossless, "plain_outputs_shared": f"{shared}/{len(prompts)}"}
+                row = {
+                    "model": name,
+                    "set": dataset,
+                    "batch": B,
+                    "prompts": len(prompts),
+                    "runs": {f"{a}_{b}": v for (a, b), v in res.items()},
+                    "planned_over_torch": {
+                        "plain": round(rate[("plain", "planned")] / rate[("plain", "torch")], 3),
+                        "sssd": round(rate[("sssd", "planned")] / rate[("sssd", "torch")], 3),
+                    },
+                    "sssd_over_plain": {k: round(rate[("sssd", k)] / rate[("plain", k)], 3) for k in engines},
+                    "sssd_planned_over_plain_torch": round(rate[("sssd", "planned")] / rate[("plain", "torch")], 3),
+                    "lossless": lossless,
+                    "plain_outputs_shared": f"{shared}/{len(prompts)}",
+                }
                 rec.add(**row)
-                print(f"{name:24s} {dataset:9s} B={B:<3d} plain {rate[('plain', 'torch')]:6.2f} -> "
-                      f"{rate[('plain', 'planned')]:6.2f} tok/s ({row['planned_over_torch']['plain']:.2f}x) | "
-                      f"sssd {rate[('sssd', 'torch')]:6.2f} -> {rate[('sssd', 'planned')]:6.2f} "
-                      f"({row['planned_over_torch']['sssd']:.2f}x; MAT {res[('sssd', 'planned')]['mat']}) | "
-                      f"sssd/plain torch {row['sssd_over_plain']['torch']:.2f}x planned "
-                      f"{row['sssd_over_plain']['planned']:.2f}x | planned sssd / torch plain "
-                      f"{row['sssd_planned_over_plain_torch']:.2f}x | lossless {lossless} "
-                      f"plain shared {row['plain_outputs_shared']}", flush=True)
+                print(
+                    f"{name:24s} {dataset:9s} B={B:<3d} plain {rate[('plain', 'torch')]:6.2f} -> "
+                    f"{rate[('plain', 'planned')]:6.2f} tok/s ({row['planned_over_torch']['plain']:.2f}x) | "
+                    f"sssd {rate[('sssd', 'torch')]:6.2f} -> {rate[('sssd', 'planned')]:6.2f} "
+                    f"({row['planned_over_torch']['sssd']:.2f}x; MAT {res[('sssd', 'planned')]['mat']}) | "
+                    f"sssd/plain torch {row['sssd_over_plain']['torch']:.2f}x planned "
+                    f"{row['sssd_over_plain']['planned']:.2f}x | planned sssd / torch plain "
+                    f"{row['sssd_planned_over_plain_torch']:.2f}x | lossless {lossless} "
+                    f"plain shared {row['plain_outputs_shared']}",
+                    flush=True,
+                )
         del planned, torch_engine, engines, backend
         gc.collect()
     print(f"machine: {machine()}; records: {rec.path}")

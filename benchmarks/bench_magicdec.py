@@ -95,9 +95,18 @@ def run(model_path, backend, datastore, draft, prompts, kvs, max_tokens, budget,
     from sssd.serving.engine import EngineConfig, LLMEngine
     from sssd.serving.engine.params import SamplingParams
 
-    eng = LLMEngine(model_path, datastore=datastore, draft=draft, backend=backend,
-                    config=EngineConfig(max_model_len=backend.capacity, max_running=max_running,
-                                        budget=budget if draft else None, prefill_chunk=1024))
+    eng = LLMEngine(
+        model_path,
+        datastore=datastore,
+        draft=draft,
+        backend=backend,
+        config=EngineConfig(
+            max_model_len=backend.capacity,
+            max_running=max_running,
+            budget=budget if draft else None,
+            prefill_chunk=1024,
+        ),
+    )
     if gamma is not None:
         for s in eng.drafting.external:
             s.gamma = gamma
@@ -132,8 +141,9 @@ def store_acceptance(path: Path, sweeps: list[dict]) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--set", type=Path, default=None,
-                   help="the long-context set (default: benchmarks/out/long_context.jsonl)")
+    p.add_argument(
+        "--set", type=Path, default=None, help="the long-context set (default: benchmarks/out/long_context.jsonl)"
+    )
     p.add_argument("--sizes", default="2048,4096,8192")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--variants", default="plain,retrieval,self,both")
@@ -142,8 +152,12 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=int, default=8, help="draft tree budget of the speculating variants")
     p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--distinct", type=int, default=4, help="distinct prompts per size (tiled over the batch)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: on a shared 2-core machine, 2 threads oversubscribe and time 5-10x worse)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a shared 2-core machine, 2 threads oversubscribe and time 5-10x worse)",
+    )
     p.add_argument("--fit", action="store_true", help="measure passes and fit the cost model first")
     p.add_argument("--sweep", action="store_true", help="acceptance vs KV budget at the largest size")
     p.add_argument("--sweep-budgets", default="64,128,256,512,1024,2048")
@@ -157,8 +171,9 @@ def main(argv=None) -> None:
     variants = a.variants.split(",")
     path = Path(resolve_model(a.model))
     torch.manual_seed(0)
-    backend = TorchBackend(path, slots=max(batches), capacity=min(max(sizes), backend_positions(path)),
-                           threads=a.threads)
+    backend = TorchBackend(
+        path, slots=max(batches), capacity=min(max(sizes), backend_positions(path)), threads=a.threads
+    )
     rec = Recorder("bench_magicdec", vars(a) | {"set": str(a.set)})
     _log(f"{a.model}: {max(batches)} slots of {backend.capacity} tokens; {machine()['cpu']}")
     if a.fit:
@@ -177,8 +192,10 @@ def main(argv=None) -> None:
         distinct = [x for pair in zip(by["sharegpt"], by["stdlib"]) for x in pair][: a.distinct]
         t0 = time.perf_counter()
         kvs = [prefill_kv(backend, r["prompt_ids"]) for r in distinct]
-        _log(f"size {size}: prefilled {len(distinct)} prompts ({[r['tokens'] for r in distinct]}) in "
-             f"{time.perf_counter() - t0:.0f} s")
+        _log(
+            f"size {size}: prefilled {len(distinct)} prompts ({[r['tokens'] for r in distinct]}) in "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
         if not a.no_main:
             for B in batches:
                 prompts = [distinct[i % len(distinct)]["prompt_ids"] for i in range(B)]
@@ -186,8 +203,17 @@ def main(argv=None) -> None:
                 row = {"size": size, "batch": B, "context": int(np.mean([len(x) for x in prompts]))}
                 base = None
                 for v in variants:
-                    outs, secs, eng = run(path, backend, "default" if "retrieval" in drafts[v] else None, drafts[v],
-                                          prompts, kv_b, a.max_tokens, a.budget, max(batches))
+                    outs, secs, eng = run(
+                        path,
+                        backend,
+                        "default" if "retrieval" in drafts[v] else None,
+                        drafts[v],
+                        prompts,
+                        kv_b,
+                        a.max_tokens,
+                        a.budget,
+                        max(batches),
+                    )
                     toks = sum(len(o.token_ids) for o in outs)
                     steps = sum(o.stats["steps"] for o in outs)
                     acc = sum(o.stats["accepted"] for o in outs)
@@ -195,27 +221,66 @@ def main(argv=None) -> None:
                     if v == "plain":
                         base = [o.token_ids for o in outs]
                     same = base is None or [o.token_ids for o in outs] == base
-                    row[v] = {"tok_s": toks / secs, "seconds": secs, "mat": toks / max(steps, 1) * 1.0,
-                              "accepted": acc, "by_source": by_src, "identical": same}
-                    rec.add(kind="throughput", size=size, batch=B, variant=v, tokens=toks, seconds=secs,
-                            steps=steps, accepted=acc, by_source=by_src, identical=same)
-                    _log(f"  {size:>5} B={B:>2} {v:<9} {toks / secs:7.1f} tok/s  MAT {toks / max(steps, 1):.2f}  "
-                         f"{by_src}{'' if same else '  OUTPUT DIFFERS'}")
+                    row[v] = {
+                        "tok_s": toks / secs,
+                        "seconds": secs,
+                        "mat": toks / max(steps, 1) * 1.0,
+                        "accepted": acc,
+                        "by_source": by_src,
+                        "identical": same,
+                    }
+                    rec.add(
+                        kind="throughput",
+                        size=size,
+                        batch=B,
+                        variant=v,
+                        tokens=toks,
+                        seconds=secs,
+                        steps=steps,
+                        accepted=acc,
+                        by_source=by_src,
+                        identical=same,
+                    )
+                    _log(
+                        f"  {size:>5} B={B:>2} {v:<9} {toks / secs:7.1f} tok/s  MAT {toks / max(steps, 1):.2f}  "
+                        f"{by_src}{'' if same else '  OUTPUT DIFFERS'}"
+                    )
                 table.append(row)
         if a.sweep and size == max(sizes):
             prompts = [r["prompt_ids"] for r in distinct]
             for method in ("streamingllm", "snapkv"):
                 for kb in [int(x) for x in a.sweep_budgets.split(",")]:
-                    outs, secs, eng = run(path, backend, None, [f"self:{method}:{kb}"], prompts, kvs, a.max_tokens,
-                                          4, max(batches), gamma=4)
+                    outs, secs, eng = run(
+                        path,
+                        backend,
+                        None,
+                        [f"self:{method}:{kb}"],
+                        prompts,
+                        kvs,
+                        a.max_tokens,
+                        4,
+                        max(batches),
+                        gamma=4,
+                    )
                     src = eng.drafting.external[0]
                     drafted = sum(o.stats["drafted"] for o in outs)
                     acc = sum(o.stats["accepted"] for o in outs)
                     rates = src.acceptance_rates()[:4]
-                    rec.add(kind="sweep", size=size, method=method, kv_budget=kb, drafted=drafted, accepted=acc,
-                            rate=acc / max(drafted, 1), depth_rates=rates.tolist(), seconds=secs)
-                    _log(f"  sweep {size} {method:<12} kv {kb:>5}: {acc}/{drafted} accepted "
-                         f"({acc / max(drafted, 1):.2f}), per depth {np.round(rates, 2).tolist()}")
+                    rec.add(
+                        kind="sweep",
+                        size=size,
+                        method=method,
+                        kv_budget=kb,
+                        drafted=drafted,
+                        accepted=acc,
+                        rate=acc / max(drafted, 1),
+                        depth_rates=rates.tolist(),
+                        seconds=secs,
+                    )
+                    _log(
+                        f"  sweep {size} {method:<12} kv {kb:>5}: {acc}/{drafted} accepted "
+                        f"({acc / max(drafted, 1):.2f}), per depth {np.round(rates, 2).tolist()}"
+                    )
                     sweeps.append({"method": method, "kv_budget": kb, "depth_rates": rates.tolist()})
             from sssd.serving.drafting.self_drafter import cost_file
 
@@ -226,14 +291,18 @@ def main(argv=None) -> None:
         _log("\nsize  batch  " + "  ".join(f"{v:>16}" for v in variants))
         for row in table:
             base = row["plain"]["tok_s"] if "plain" in row else None
-            cells = [f"{row[v]['tok_s']:7.1f} ({row[v]['tok_s'] / base:4.2f}x)" if base else f"{row[v]['tok_s']:7.1f}"
-                     for v in variants]
+            cells = [
+                f"{row[v]['tok_s']:7.1f} ({row[v]['tok_s'] / base:4.2f}x)" if base else f"{row[v]['tok_s']:7.1f}"
+                for v in variants
+            ]
             _log(f"{row['size']:>5} {row['batch']:>5}  " + "  ".join(f"{c:>16}" for c in cells))
     if cost is not None:
         rates = np.full(16, 0.75)
         for B in batches:
-            _log(f"cost model: B={B}: draft/target pass ratio at 8k {cost.ratio(B, 8000):.2f}, critical context "
-                 f"{cost.critical_context(B, rates, 8)} (acceptance 0.75)")
+            _log(
+                f"cost model: B={B}: draft/target pass ratio at 8k {cost.ratio(B, 8000):.2f}, critical context "
+                f"{cost.critical_context(B, rates, 8)} (acceptance 0.75)"
+            )
 
 
 def backend_positions(path: Path) -> int:

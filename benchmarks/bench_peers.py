@@ -109,7 +109,9 @@ def contamination(datastore: sssd.Datastore, outputs: list[np.ndarray], end_ids=
         while ids.size and int(ids[-1]) in set(end_ids):
             ids = ids[:-1]
         wins = np.lib.stride_tricks.sliding_window_view(ids, 32) if ids.size > 32 else [ids]
-        out.append(float(np.mean([datastore.count(np.ascontiguousarray(w)) > 0 for w in wins])) if ids.size else float("nan"))
+        out.append(
+            float(np.mean([datastore.count(np.ascontiguousarray(w)) > 0 for w in wins])) if ids.size else float("nan")
+        )
     return out
 
 
@@ -215,9 +217,13 @@ def load_sets(datastore: sssd.Datastore, args) -> tuple[list[EvalSet], list[str]
         subset = {rid: "" for rid, _, _ in items}
         if name == "sharegpt-heldout":
             frac = np.asarray(contamination(datastore, [a for _, _, a in items], end_ids), dtype=float)
-            subset = {rid: "sharegpt-contaminated" if f >= 0.5 else "sharegpt-clean" for (rid, _, _), f in zip(items, frac)}
-            notes.append(f"sharegpt-heldout: {int((frac >= 0.5).sum())} of {len(items)} outputs contaminated "
-                         "(>= 50% of their 32-token windows verbatim in the datastore)")
+            subset = {
+                rid: "sharegpt-contaminated" if f >= 0.5 else "sharegpt-clean" for (rid, _, _), f in zip(items, frac)
+            }
+            notes.append(
+                f"sharegpt-heldout: {int((frac >= 0.5).sum())} of {len(items)} outputs contaminated "
+                "(>= 50% of their 32-token windows verbatim in the datastore)"
+            )
         es = EvalSet(name, f"{source}, {len(items)} records")
         if name == "sharegpt-heldout":
             es.evals = {"sharegpt-clean": [], "sharegpt-contaminated": []}
@@ -254,23 +260,44 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
     systems: list[System] = []
     want = set(args.peers)
     if "pld" in want:
-        systems.append(System(pld.PromptLookupDrafter.name, [{"max_matching_ngram_size": n} for n in (1, 2, 3, 4)],
-                              lambda s: pld.PromptLookupDrafter(**s)))
+        systems.append(
+            System(
+                pld.PromptLookupDrafter.name,
+                [{"max_matching_ngram_size": n} for n in (1, 2, 3, 4)],
+                lambda s: pld.PromptLookupDrafter(**s),
+            )
+        )
     if "ngram" in want:
-        systems.append(System(ngram_vllm.NgramVLLMDrafter.name,
-                              [{"prompt_lookup_min": a, "prompt_lookup_max": b} for a, b in ((5, 5), (3, 5), (2, 4), (1, 3), (1, 5))],
-                              lambda s: ngram_vllm.NgramVLLMDrafter(**s)))
+        systems.append(
+            System(
+                ngram_vllm.NgramVLLMDrafter.name,
+                [{"prompt_lookup_min": a, "prompt_lookup_max": b} for a, b in ((5, 5), (3, 5), (2, 4), (1, 3), (1, 5))],
+                lambda s: ngram_vllm.NgramVLLMDrafter(**s),
+            )
+        )
     if "rest" in want:
-        systems.append(System("REST", [{"long": 10}, {"long": 16}],
-                              lambda s: rest.RESTDrafter(datastore, cut=True, seed=args.seed, **s)))
+        systems.append(
+            System(
+                "REST",
+                [{"long": 10}, {"long": 16}],
+                lambda s: rest.RESTDrafter(datastore, cut=True, seed=args.seed, **s),
+            )
+        )
     if "rest-uncut" in want:
-        systems.append(System("REST, uncut (variant)", [{"long": 10}, {"long": 16}],
-                              lambda s: rest.RESTDrafter(datastore, cut=False, seed=args.seed, **s)))
+        systems.append(
+            System(
+                "REST, uncut (variant)",
+                [{"long": 10}, {"long": 16}],
+                lambda s: rest.RESTDrafter(datastore, cut=False, seed=args.seed, **s),
+            )
+        )
     if "aded" in want:
         if aded.available():
             t0 = time.perf_counter()
             index = aded.cached_index(datastore)
-            notes.append(f"ADED: index {index} ({index.stat().st_size / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.0f} s)")
+            notes.append(
+                f"ADED: index {index} ({index.stat().st_size / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.0f} s)"
+            )
             systems.append(System(aded.NAME, [{}], lambda s: aded.ADEDDrafter(index)))  # a fresh Reader per replay
         else:
             notes.append("ADED: skipped: draftretriever is not installed (bash benchmarks/peers/setup_arctic.sh)")
@@ -279,8 +306,9 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
             if args.suffix_global == "corpus":
                 print("warming SuffixDecoding's global tree with the datastore's documents...", flush=True)
                 warm = suffix_decoding.WarmCache(datastore.tokens, max_tree_depth=64)
-                notes.append(f"SuffixDecoding: global tree warmed with {warm.documents:,} documents in "
-                             f"{warm.warm_seconds:.0f} s")
+                notes.append(
+                    f"SuffixDecoding: global tree warmed with {warm.documents:,} documents in {warm.warm_seconds:.0f} s"
+                )
             else:  # its per-request trees only (what copy-heavy work uses it for)
                 warm = suffix_decoding.WarmCache(np.zeros(0, dtype=np.uint32), max_tree_depth=64)
                 notes.append("SuffixDecoding: per-request trees only (--suffix-global none)")
@@ -289,12 +317,21 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
             # 1-6 ms a call (hours for the sweep): only with --suffix-slow.
             probs = (0.0, 0.01, 0.05, 0.1) if args.suffix_slow else (0.01, 0.05, 0.1)
             grid = [{"max_spec_factor": f, "min_token_prob": p} for f in (1.0, 4.0, 16.0, 64.0) for p in probs]
-            systems.append(System(suffix_decoding.NAME, grid, lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s)))
+            systems.append(
+                System(suffix_decoding.NAME, grid, lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s))
+            )
             # the fair cost comparison: its fast setting, reported whatever the sweep picks
-            systems.append(System(suffix_decoding.NAME + " (fast setting)", [{"max_spec_factor": 64.0, "min_token_prob": 0.01}],
-                                  lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s)))
+            systems.append(
+                System(
+                    suffix_decoding.NAME + " (fast setting)",
+                    [{"max_spec_factor": 64.0, "min_token_prob": 0.01}],
+                    lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s),
+                )
+            )
         else:
-            notes.append("SuffixDecoding: skipped: arctic-inference is not installed (bash benchmarks/peers/setup_arctic.sh)")
+            notes.append(
+                "SuffixDecoding: skipped: arctic-inference is not installed (bash benchmarks/peers/setup_arctic.sh)"
+            )
 
     threads = args.threads
 
@@ -328,16 +365,24 @@ def run_replay(system: System, settings: dict, examples: list[Example], budget: 
 
 
 def result_record(res, **extra) -> dict:
-    return {**extra, "mat": round(res.mat, 4), "draft_us": round(res.draft_us_per_call, 2),
-            "update_us": round(res.update_us_per_call, 2), "steps": res.steps,
-            "tokens": res.tokens, "nodes_per_step": round(float(res.drafted_per_depth.sum()) / max(res.steps, 1), 2)}
+    return {
+        **extra,
+        "mat": round(res.mat, 4),
+        "draft_us": round(res.draft_us_per_call, 2),
+        "update_us": round(res.update_us_per_call, 2),
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "nodes_per_step": round(float(res.drafted_per_depth.sum()) / max(res.steps, 1), 2),
+    }
 
 
 # -- report -------------------------------------------------------------------
 def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) -> None:
     print(f"\n== {set_name}: {info}")
     head = f"{'system':30s} {'setting (chosen on dev)':44s} " + " ".join(f"{'MAT@' + str(b):>7s}" for b in budgets)
-    head += " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'upd@32':>7s} {'nodes@32':>8s}"
+    head += (
+        " " + " ".join(f"{'us@' + str(b):>7s}" for b in budgets if b in (16, 32)) + f" {'upd@32':>7s} {'nodes@32':>8s}"
+    )
     print(head)
     by_system: dict[str, dict[int, dict]] = {}
     for r in rows:
@@ -345,9 +390,16 @@ def print_table(set_name: str, rows: list[dict], budgets: list[int], info: str) 
     for name, cells in by_system.items():
         first = next(iter(cells.values()))
         line = f"{name:30s} {first['settings'][:44]:44s} " + " ".join(
-            f"{cells[b]['mat']:7.3f}" if b in cells else f"{'':7s}" for b in budgets)
-        line += " " + " ".join(f"{cells[b]['draft_us']:7.1f}" if b in cells else f"{'':7s}" for b in budgets if b in (16, 32))
-        line += f" {cells[32].get('update_us', float('nan')):7.1f} {cells[32]['nodes_per_step']:8.1f}" if 32 in cells else ""
+            f"{cells[b]['mat']:7.3f}" if b in cells else f"{'':7s}" for b in budgets
+        )
+        line += " " + " ".join(
+            f"{cells[b]['draft_us']:7.1f}" if b in cells else f"{'':7s}" for b in budgets if b in (16, 32)
+        )
+        line += (
+            f" {cells[32].get('update_us', float('nan')):7.1f} {cells[32]['nodes_per_step']:8.1f}"
+            if 32 in cells
+            else ""
+        )
         print(line)
 
 
@@ -365,16 +417,20 @@ def goals(set_name: str, rows: list[dict], reference: str) -> list[str]:
         dearest = min(peers, key=lambda r: r["draft_us"])
         mat_ok = ratio >= 1.3
         cost_ok = ref["draft_us"] < dearest["draft_us"]
-        out.append(f"{set_name} budget {b}: {reference} MAT {ref['mat']:.3f} = {ratio:.2f}x best peer "
-                   f"({best['system']} {best['mat']:.3f}): {'met' if mat_ok else 'MISSED'} (goal 1.3x); "
-                   f"draft {ref['draft_us']:.1f} us vs cheapest peer {dearest['system']} {dearest['draft_us']:.1f} us: "
-                   f"{'met' if cost_ok else 'MISSED'}")
+        out.append(
+            f"{set_name} budget {b}: {reference} MAT {ref['mat']:.3f} = {ratio:.2f}x best peer "
+            f"({best['system']} {best['mat']:.3f}): {'met' if mat_ok else 'MISSED'} (goal 1.3x); "
+            f"draft {ref['draft_us']:.1f} us vs cheapest peer {dearest['system']} {dearest['draft_us']:.1f} us: "
+            f"{'met' if cost_ok else 'MISSED'}"
+        )
         sd = next((r for r in peers if r["system"] == suffix_decoding_name()), None)
         if sd is not None and "update_us" in ref and "update_us" in sd:
             ours, theirs = ref["draft_us"] + ref["update_us"], sd["draft_us"] + sd["update_us"]
-            out.append(f"{set_name} budget {b}: per request-step (draft + update) {reference} {ours:.1f} us vs "
-                       f"SuffixDecoding ({sd['settings']}) {theirs:.1f} us = {theirs / max(ours, 1e-9):.1f}x cheaper: "
-                       f"{'met' if theirs >= 5 * ours else 'MISSED'} (goal 5x, issue 15)")
+            out.append(
+                f"{set_name} budget {b}: per request-step (draft + update) {reference} {ours:.1f} us vs "
+                f"SuffixDecoding ({sd['settings']}) {theirs:.1f} us = {theirs / max(ours, 1e-9):.1f}x cheaper: "
+                f"{'met' if theirs >= 5 * ours else 'MISSED'} (goal 5x, issue 15)"
+            )
     return out
 
 
@@ -391,8 +447,10 @@ def plot(records: list[dict], path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed here: redraw the figure with "
-              f"`.venv/bin/python benchmarks/bench_peers.py --plot-only {OUT_DIR / 'peers.jsonl'}`")
+        print(
+            "matplotlib is not installed here: redraw the figure with "
+            f"`.venv/bin/python benchmarks/bench_peers.py --plot-only {OUT_DIR / 'peers.jsonl'}`"
+        )
         return None
     evals = [r for r in records if r.get("split") == "eval"]
     sets = list(dict.fromkeys(r["set"] for r in evals))
@@ -415,7 +473,7 @@ def plot(records: list[dict], path: Path) -> Path | None:
         ax.set_xlabel("budget (draft tokens per step)")
         ax.set_ylabel("MAT (accepted tokens per step)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(sets):]:
+    for ax in list(axes.flat)[len(sets) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
@@ -439,23 +497,43 @@ def last_run(jsonl: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datastore", default="default", help="datastore directory (default: the default datastore)")
-    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS + COPY_SETS,
-                    help=f"evaluation sets (default: {' '.join(SETS)}; also {', '.join(COPY_SETS)})")
+    ap.add_argument(
+        "--sets",
+        nargs="+",
+        default=list(SETS),
+        choices=SETS + COPY_SETS,
+        help=f"evaluation sets (default: {' '.join(SETS)}; also {', '.join(COPY_SETS)})",
+    )
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--sweep-budgets", type=int, nargs="+", default=[16, 32], help="budgets of the peers' sweep on dev")
     ap.add_argument("--limit", type=int, help="at most N examples per set and split (a hash-random subset)")
-    ap.add_argument("--dev-fraction", type=float, default=0.25, help="share of each set in the development split "
-                    "(sssd.calibration.datasets.DEV_FRACTION; keep it equal to the calibration's)")
+    ap.add_argument(
+        "--dev-fraction",
+        type=float,
+        default=0.25,
+        help="share of each set in the development split "
+        "(sssd.calibration.datasets.DEV_FRACTION; keep it equal to the calibration's)",
+    )
     ap.add_argument("--sssd-config", help="calibrated SSSD parameter file (sssd calibrate), also reported")
     ap.add_argument("--no-ablation", action="store_true", help="skip SSSD input-only / datastore-only")
-    ap.add_argument("--suffix-global", choices=("corpus", "none"), default="corpus",
-                    help="SuffixDecoding's global tree: warmed with the datastore's documents, or none (its "
-                         "per-request trees only)")
-    ap.add_argument("--suffix-slow", action="store_true",
-                    help="also sweep SuffixDecoding at min_token_prob 0 (1-6 ms per call: slow)")
-    ap.add_argument("--gt-model", default="smollm2-135m-instruct", help="model whose ground-truth files to use "
-                    "(sssd.calibration.ground_truth.default_path)")
+    ap.add_argument(
+        "--suffix-global",
+        choices=("corpus", "none"),
+        default="corpus",
+        help="SuffixDecoding's global tree: warmed with the datastore's documents, or none (its "
+        "per-request trees only)",
+    )
+    ap.add_argument(
+        "--suffix-slow",
+        action="store_true",
+        help="also sweep SuffixDecoding at min_token_prob 0 (1-6 ms per call: slow)",
+    )
+    ap.add_argument(
+        "--gt-model",
+        default="smollm2-135m-instruct",
+        help="model whose ground-truth files to use (sssd.calibration.ground_truth.default_path)",
+    )
     ap.add_argument("--groundtruth", nargs="*", default=[], metavar="SET=PATH", help="ground-truth files by set name")
     ap.add_argument("--threads", type=int, default=1, help="SSSD OpenMP threads (1: as single-threaded as the peers)")
     ap.add_argument("--batch-size", type=int, default=256, help="sequences replayed in lockstep")
@@ -495,15 +573,32 @@ def main() -> int:
                     for b in args.sweep_budgets:
                         t0 = time.perf_counter()
                         res = run_replay(system, s, es.dev, b, args.batch_size)
-                        rec.add(**result_record(res, set=es.name, split="dev", system=system.name, settings=fmt_settings(s),
-                                                budget=b, peer=system.is_peer, examples=len(es.dev)))
+                        rec.add(
+                            **result_record(
+                                res,
+                                set=es.name,
+                                split="dev",
+                                system=system.name,
+                                settings=fmt_settings(s),
+                                budget=b,
+                                peer=system.is_peer,
+                                examples=len(es.dev),
+                            )
+                        )
                         mats.append(res.mat)
-                        print(f"  [{es.name} dev] {system.name} {fmt_settings(s)} budget {b}: MAT {res.mat:.3f}, "
-                              f"{res.draft_us_per_call:.1f} us/call ({time.perf_counter() - t0:.0f} s)", flush=True)
+                        print(
+                            f"  [{es.name} dev] {system.name} {fmt_settings(s)} budget {b}: MAT {res.mat:.3f}, "
+                            f"{res.draft_us_per_call:.1f} us/call ({time.perf_counter() - t0:.0f} s)",
+                            flush=True,
+                        )
                     dev_mat.append(float(np.mean(mats)))
                 settings = system.grid[int(np.argmax(dev_mat))]
-                rec.add(set=es.name, system=system.name, chosen=fmt_settings(settings),
-                        dev_mean_mat={fmt_settings(s): round(m, 4) for s, m in zip(system.grid, dev_mat)})
+                rec.add(
+                    set=es.name,
+                    system=system.name,
+                    chosen=fmt_settings(settings),
+                    dev_mean_mat={fmt_settings(s): round(m, 4) for s, m in zip(system.grid, dev_mat)},
+                )
             for sub, examples in es.evals.items():
                 if not examples:
                     continue
@@ -511,25 +606,44 @@ def main() -> int:
                     t0 = time.perf_counter()
                     res = run_replay(system, settings, examples, b, args.batch_size)
                     shown = "calibrated file" if system.name == SSSD_CALIBRATED else fmt_settings(settings)
-                    r = result_record(res, set=sub, split="eval", system=system.name, settings=shown, budget=b,
-                                      peer=system.is_peer, examples=len(examples))
+                    r = result_record(
+                        res,
+                        set=sub,
+                        split="eval",
+                        system=system.name,
+                        settings=shown,
+                        budget=b,
+                        peer=system.is_peer,
+                        examples=len(examples),
+                    )
                     rec.add(**r)
                     rows[sub].append(r)
-                    print(f"  [{sub} eval] {system.name} budget {b}: MAT {res.mat:.3f}, {res.draft_us_per_call:.1f} us/call, "
-                          f"{r['nodes_per_step']:.1f} nodes/step ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    print(
+                        f"  [{sub} eval] {system.name} budget {b}: MAT {res.mat:.3f}, {res.draft_us_per_call:.1f} us/call, "
+                        f"{r['nodes_per_step']:.1f} nodes/step ({time.perf_counter() - t0:.0f} s)",
+                        flush=True,
+                    )
         for sub, examples in es.evals.items():
             if not examples:
                 continue
             records.extend(rows[sub])
             tokens = sum(len(e.output) for e in examples)
-            print_table(sub, rows[sub], args.budgets, f"eval {len(examples)} examples ({tokens:,} output tokens); "
-                        f"settings chosen on {es.name} dev ({len(es.dev)} examples); source {es.source}")
+            print_table(
+                sub,
+                rows[sub],
+                args.budgets,
+                f"eval {len(examples)} examples ({tokens:,} output tokens); "
+                f"settings chosen on {es.name} dev ({len(es.dev)} examples); source {es.source}",
+            )
             goal_lines += goals(sub, rows[sub], reference)
     print("\nGoals (issue 4):")
     for line in goal_lines:
         print("  " + line)
     figure = plot(records, OUT_DIR / "peers.png")
-    print(f"\nmachine: {machine()}; {time.perf_counter() - t_start:.0f} s; records: {rec.path}" + (f"; figure: {figure}" if figure else ""))
+    print(
+        f"\nmachine: {machine()}; {time.perf_counter() - t_start:.0f} s; records: {rec.path}"
+        + (f"; figure: {figure}" if figure else "")
+    )
     return 0
 
 

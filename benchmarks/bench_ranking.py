@@ -78,7 +78,7 @@ class Request:
 
     def trees(self) -> list[Tree]:
         out = []
-        d = self.ds.query(np.ascontiguousarray(self.ctx[-self.q.max_match:]), self.q)
+        d = self.ds.query(np.ascontiguousarray(self.ctx[-self.q.max_match :]), self.q)
         if d["total"] > 0 and len(d["tokens"]):
             out.append(Tree(0, d, int(d["match_len"])))
         for length in range(min(self.input_match, len(self.ctx)), 0, -1):
@@ -185,7 +185,7 @@ def replay_python(ds, query, examples, budget: int, policy) -> float:
         while pos < len(out):
             acc = policy(r.trees(), out[pos:])
             adv = min(acc + 1, len(out) - pos)
-            r.extend(out[pos:pos + adv])
+            r.extend(out[pos : pos + adv])
             pos += adv
             steps += 1
             tokens += adv
@@ -205,8 +205,12 @@ def main() -> int:
         HistGradientBoostingClassifier = None
         print("scikit-learn is not installed: the learned ranker is skipped (pip install scikit-learn)")
     ds = sssd.Datastore.open("default")
-    sets, notes = load_sets(ds, argparse.Namespace(sets=args.sets, groundtruth=[], gt_model="smollm2-135m-instruct",
-                                                  dev_fraction=0.25, limit=args.limit))
+    sets, notes = load_sets(
+        ds,
+        argparse.Namespace(
+            sets=args.sets, groundtruth=[], gt_model="smollm2-135m-instruct", dev_fraction=0.25, limit=args.limit
+        ),
+    )
     for n in notes:
         print(n)
     query = DrafterConfig().native_params(ds.vocab_size).datastore
@@ -222,29 +226,48 @@ def main() -> int:
                     a, b = training_rows(r.trees(), out[pos:])
                     X += a
                     y += b
-                    r.extend(out[pos:pos + 1])
+                    r.extend(out[pos : pos + 1])
             model = HistGradientBoostingClassifier(max_iter=200, max_leaf_nodes=31).fit(np.array(X), np.array(y))
             prob = lambda Z, m=model: m.predict_proba(Z)[:, 1]  # noqa: E731
-            print(f"{es.name}: learned ranker fitted on {len(es.dev)} dev examples, {len(y):,} candidates "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"{es.name}: learned ranker fitted on {len(es.dev)} dev examples, {len(y):,} candidates "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
         for sub, examples in es.evals.items():
             if not examples:
                 continue
             for b in args.budgets:
                 cfg = DrafterConfig.load(args.calibration, budget=b).replace(budget=b)
-                row = {"set": sub, "budget": b, "examples": len(examples),
-                       "sssd_calibrated": round(replay(sssd.Drafter(ds, cfg), examples, b).mat, 4),
-                       "ceiling": round(replay_python(ds.native, query, examples, b,
-                                                      lambda trees, truth: truth_depth(trees, truth, b)), 4)}
+                row = {
+                    "set": sub,
+                    "budget": b,
+                    "examples": len(examples),
+                    "sssd_calibrated": round(replay(sssd.Drafter(ds, cfg), examples, b).mat, 4),
+                    "ceiling": round(
+                        replay_python(ds.native, query, examples, b, lambda trees, truth: truth_depth(trees, truth, b)),
+                        4,
+                    ),
+                }
                 if prob is not None:
-                    row["learned"] = round(replay_python(ds.native, query, examples, b,
-                                                         lambda trees, truth: accepted(
-                                                             draft_learned(trees, prob, b), truth)), 4)
+                    row["learned"] = round(
+                        replay_python(
+                            ds.native,
+                            query,
+                            examples,
+                            b,
+                            lambda trees, truth: accepted(draft_learned(trees, prob, b), truth),
+                        ),
+                        4,
+                    )
                 rec.add(**row)
                 share = (row["sssd_calibrated"] - 1) / max(row["ceiling"] - 1, 1e-9)
-                print(f"{sub:22s} b={b:<3d} SSSD calibrated {row['sssd_calibrated']:.3f}  learned "
-                      f"{row.get('learned', float('nan')):.3f}  ceiling {row['ceiling']:.3f}  "
-                      f"(SSSD takes {share:.0%} of the ceiling's accepted tokens)", flush=True)
+                print(
+                    f"{sub:22s} b={b:<3d} SSSD calibrated {row['sssd_calibrated']:.3f}  learned "
+                    f"{row.get('learned', float('nan')):.3f}  ceiling {row['ceiling']:.3f}  "
+                    f"(SSSD takes {share:.0%} of the ceiling's accepted tokens)",
+                    flush=True,
+                )
     print(f"machine: {machine()}; records: {rec.path}")
     return 0
 

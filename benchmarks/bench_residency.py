@@ -85,27 +85,46 @@ def main() -> int:
         del ds
         ctx_file = Path(tmp) / "contexts.npy"
         np.save(ctx_file, np.stack(ctx))
-        print(f"datastore {args.datastore}: {sum(f.stat().st_size for f in copy.glob('*.bin')) / 1e6:.0f} MB of "
-              f"index files; {args.contexts} one-shot drafts of {args.length}-token contexts at budget {args.budget}")
-        print(f"{'situation':10s} {'mode':5s} {'mode s':>7s} {'first 10 us':>12s} {'mean us':>9s} {'p50 us':>8s} "
-              f"{'p99 us':>8s} {'major':>6s} {'minor':>7s} {'resident MB':>12s}")
+        print(
+            f"datastore {args.datastore}: {sum(f.stat().st_size for f in copy.glob('*.bin')) / 1e6:.0f} MB of "
+            f"index files; {args.contexts} one-shot drafts of {args.length}-token contexts at budget {args.budget}"
+        )
+        print(
+            f"{'situation':10s} {'mode':5s} {'mode s':>7s} {'first 10 us':>12s} {'mean us':>9s} {'p50 us':>8s} "
+            f"{'p99 us':>8s} {'major':>6s} {'minor':>7s} {'resident MB':>12s}"
+        )
         for situation in ("cold", "reclaimed"):
             for mode in ("lazy", "warm", "lock"):
-                proc = subprocess.run([sys.executable, "-c", CHILD, str(copy), mode, situation, str(ctx_file),
-                                       str(args.budget)], capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(copy), mode, situation, str(ctx_file), str(args.budget)],
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     print(f"{situation:10s} {mode:5s} failed: {proc.stderr.strip().splitlines()[-1]}")
                     continue
                 r = json.loads(proc.stdout)
                 lat = np.array(r.pop("lat_us"))
-                row = {"situation": situation, "mode": mode, "mode_s": r["mode_s"], "first10_us": lat[:10].mean(),
-                       "mean_us": lat.mean(), "p50_us": float(np.median(lat)), "p99_us": float(np.percentile(lat, 99)),
-                       "major_faults": r["major"], "minor_faults": r["minor"], "resident_mb": r["resident_mb"],
-                       "page_out": r["page_out"], "open_s": r["open_s"]}
+                row = {
+                    "situation": situation,
+                    "mode": mode,
+                    "mode_s": r["mode_s"],
+                    "first10_us": lat[:10].mean(),
+                    "mean_us": lat.mean(),
+                    "p50_us": float(np.median(lat)),
+                    "p99_us": float(np.percentile(lat, 99)),
+                    "major_faults": r["major"],
+                    "minor_faults": r["minor"],
+                    "resident_mb": r["resident_mb"],
+                    "page_out": r["page_out"],
+                    "open_s": r["open_s"],
+                }
                 rec.add(**row)
-                print(f"{situation:10s} {mode:5s} {row['mode_s']:7.2f} {row['first10_us']:12.0f} {row['mean_us']:9.0f} "
-                      f"{row['p50_us']:8.0f} {row['p99_us']:8.0f} {row['major_faults']:6d} {row['minor_faults']:7d} "
-                      f"{row['resident_mb']:12.0f}")
+                print(
+                    f"{situation:10s} {mode:5s} {row['mode_s']:7.2f} {row['first10_us']:12.0f} {row['mean_us']:9.0f} "
+                    f"{row['p50_us']:8.0f} {row['p99_us']:8.0f} {row['major_faults']:6d} {row['minor_faults']:7d} "
+                    f"{row['resident_mb']:12.0f}"
+                )
     return 0
 
 

@@ -117,7 +117,9 @@ def main() -> int:
     parent = Path(args.out).expanduser().parent if args.out else Path(tempfile.gettempdir())
     free = shutil.disk_usage(parent).free
     if free < 9 * total:
-        print(f"bench_scale: {free / 1e9:.1f} GB free in {parent}, need about {9 * total / 1e9:.1f} GB", file=sys.stderr)
+        print(
+            f"bench_scale: {free / 1e9:.1f} GB free in {parent}, need about {9 * total / 1e9:.1f} GB", file=sys.stderr
+        )
         return 1
     tmp = None
     if args.out:
@@ -137,19 +139,36 @@ def main() -> int:
             marks.setdefault("sort_start" if done == 0 else "sort_end", time.perf_counter())
 
         t = time.perf_counter()
-        sssd.Datastore.build(stream, out, overwrite=True, num_threads=args.threads, progress=progress,
-                             metadata={"synthetic": f"{args.base} documents, reshuffled, {args.mutate:.0%} mutated"})
+        sssd.Datastore.build(
+            stream,
+            out,
+            overwrite=True,
+            num_threads=args.threads,
+            progress=progress,
+            metadata={"synthetic": f"{args.base} documents, reshuffled, {args.mutate:.0%} mutated"},
+        )
         t_build = time.perf_counter() - t
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         t_sort = marks["sort_end"] - marks["sort_start"]
         del stream
         disk = sum(f.stat().st_size for f in out.iterdir())
-        print(f"built {total / 1e6:,.0f}M tokens in {t_build:.0f} s (generation {t_gen:.0f} s before it): suffix sort "
-              f"{t_sort:.0f} s = {total / t_sort / 1e6:.1f}M tokens/s; peak RSS {rss / 2**30:.1f} GiB = "
-              f"{rss / total:.1f} B/token (before the build: {rss0 / 2**30:.1f} GiB, the stream); "
-              f"disk {disk / 1e9:.1f} GB = {disk / total:.1f} B/token")
-        rec.add(kind="build", tokens=total, generate_s=t_gen, build_s=t_build, sort_s=t_sort,
-                sort_tokens_per_s=total / t_sort, peak_rss_bytes=rss, rss_before_bytes=rss0, disk_bytes=disk)
+        print(
+            f"built {total / 1e6:,.0f}M tokens in {t_build:.0f} s (generation {t_gen:.0f} s before it): suffix sort "
+            f"{t_sort:.0f} s = {total / t_sort / 1e6:.1f}M tokens/s; peak RSS {rss / 2**30:.1f} GiB = "
+            f"{rss / total:.1f} B/token (before the build: {rss0 / 2**30:.1f} GiB, the stream); "
+            f"disk {disk / 1e9:.1f} GB = {disk / total:.1f} B/token"
+        )
+        rec.add(
+            kind="build",
+            tokens=total,
+            generate_s=t_gen,
+            build_s=t_build,
+            sort_s=t_sort,
+            sort_tokens_per_s=total / t_sort,
+            peak_rss_bytes=rss,
+            rss_before_bytes=rss0,
+            disk_bytes=disk,
+        )
 
         big = sssd.Datastore.open(out)
         t = time.perf_counter()
@@ -159,13 +178,27 @@ def main() -> int:
         one = stream_contexts(base, args.contexts, 64, args.seed + 1)
         many = stream_contexts(base, args.batch, 400, args.seed + 2)
         print(f"{'':34s} {'default':>10s} {'large':>10s} {'ratio':>7s}")
-        for name, fn in ((f"one-shot draft, budget {args.budget} (us)", lambda ds: one_shot_us(ds, one, args.budget)),
-                         *((f"batch of {args.batch}, {th} thread(s) (ms)",
-                            (lambda th: lambda ds: batch_ms(ds, many, args.budget, th))(th)) for th in (1, 2))):
+        for name, fn in (
+            (f"one-shot draft, budget {args.budget} (us)", lambda ds: one_shot_us(ds, one, args.budget)),
+            *(
+                (
+                    f"batch of {args.batch}, {th} thread(s) (ms)",
+                    (lambda th: lambda ds: batch_ms(ds, many, args.budget, th))(th),
+                )
+                for th in (1, 2)
+            ),
+        ):
             a, b = fn(base_ds), fn(big)
             print(f"{name:34s} {a:10.2f} {b:10.2f} {b / a:7.2f}")
-            rec.add(kind="latency", what=name, default=a, large=b, ratio=b / a, large_tokens=total,
-                    default_tokens=base_ds.size)
+            rec.add(
+                kind="latency",
+                what=name,
+                default=a,
+                large=b,
+                ratio=b / a,
+                large_tokens=total,
+                default_tokens=base_ds.size,
+            )
     finally:
         if tmp and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -44,9 +44,22 @@ def free_port() -> int:
 
 def start_server(args, speculate: bool) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sssd.cli", "serve", "--model", args.model, "--port", str(port),
-           "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sssd.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--max-running",
+        str(max(args.concurrency)),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--log-level",
+        "warning",
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if not speculate:
@@ -70,9 +83,11 @@ def start_server(args, speculate: bool) -> tuple[subprocess.Popen, str, str]:
 async def one_request(client, url: str, messages, max_tokens: int, model: str) -> dict:
     t0 = time.perf_counter()
     stamps, text = [], []
-    async with client.stream("POST", url + "/v1/chat/completions",
-                             json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                                   "stream": True}) as r:
+    async with client.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ) as r:
         if r.status_code != 200:
             return {"ok": False, "status": r.status_code}
         async for line in r.aiter_lines():
@@ -110,9 +125,14 @@ async def run_level(url: str, prompts, concurrency: int, max_tokens: int, served
             ttft.append(s[0] - r["start"])
         if len(s) > 1:
             tpot.append((s[-1] - s[0]) / (len(s) - 1))
-    return {"wall_s": round(wall, 2), "failed": len(results) - len(ok), "texts": [r.get("text") for r in ok],
-            "chunks": chunks, "mean_ttft_s": round(float(np.mean(ttft)), 3) if ttft else None,
-            "mean_step_gap_ms": round(1e3 * float(np.mean(tpot)), 1) if tpot else None}
+    return {
+        "wall_s": round(wall, 2),
+        "failed": len(results) - len(ok),
+        "texts": [r.get("text") for r in ok],
+        "chunks": chunks,
+        "mean_ttft_s": round(float(np.mean(ttft)), 3) if ttft else None,
+        "mean_step_gap_ms": round(1e3 * float(np.mean(tpot)), 1) if tpot else None,
+    }
 
 
 def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
@@ -123,11 +143,19 @@ def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
     from sssd.serving.engine import EngineConfig, LLMEngine
     from sssd.serving.engine.params import SamplingParams
 
-    config = EngineConfig(max_running=max(args.concurrency), max_model_len=args.max_model_len, speculate=speculate,
-                          threads=args.threads or None)
-    engine = LLMEngine(args.model, datastore="default" if speculate else None,
-                       drafter=packaged_calibration(args.model, "default"), config=config,
-                       draft=["retrieval"] if speculate else [])
+    config = EngineConfig(
+        max_running=max(args.concurrency),
+        max_model_len=args.max_model_len,
+        speculate=speculate,
+        threads=args.threads or None,
+    )
+    engine = LLMEngine(
+        args.model,
+        datastore="default" if speculate else None,
+        drafter=packaged_calibration(args.model, "default"),
+        config=config,
+        draft=["retrieval"] if speculate else [],
+    )
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up, as the servers get
     t0 = time.perf_counter()
     texts = [engine.generate([m], SamplingParams(max_tokens=args.max_tokens, temperature=0))[0].text for m in prompts]
@@ -136,8 +164,13 @@ def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
     del engine
     gc.collect()
     tokens = count_tokens(tokenizer, texts)
-    return {"wall_s": round(wall, 2), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "texts": texts,
-            "budgets": budgets}
+    return {
+        "wall_s": round(wall, 2),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2),
+        "texts": texts,
+        "budgets": budgets,
+    }
 
 
 def count_tokens(tokenizer, texts) -> int:
@@ -152,8 +185,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per server (0: all cores)")
-    ap.add_argument("--engine-alone", action="store_true",
-                    help="also run the concurrency-1 prompts through the engine in-process (no HTTP), for the front end's cost")
+    ap.add_argument(
+        "--engine-alone",
+        action="store_true",
+        help="also run the concurrency-1 prompts through the engine in-process (no HTTP), for the front end's cost",
+    )
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -171,7 +207,10 @@ def main() -> int:
         prompts = [questions[i % len(questions)] for i in range(n)]
         for name, speculate in (("sssd", True), ("plain", False)):
             alone[name] = engine_alone(args, prompts, speculate, tokenizer)
-            print(f"engine alone, {name}: {alone[name]['tokens_per_s']} tok/s budgets {alone[name]['budgets']}", flush=True)
+            print(
+                f"engine alone, {name}: {alone[name]['tokens_per_s']} tok/s budgets {alone[name]['budgets']}",
+                flush=True,
+            )
     servers = {}
     try:
         for name, speculate in (("sssd", True), ("plain", False)):
@@ -202,17 +241,22 @@ def main() -> int:
                     a["identical_to_served"] = alone[name]["texts"] == row[name]["texts"]
                     row[name]["engine_alone"] = a
                     row[name]["served_over_engine"] = round(row[name]["tokens_per_s"] / a["tokens_per_s"], 3)
-                    print(f"  {name}: served {row[name]['tokens_per_s']} tok/s vs engine alone {a['tokens_per_s']} "
-                          f"tok/s: {row[name]['served_over_engine']:.3f}x (same texts: {a['identical_to_served']})",
-                          flush=True)
+                    print(
+                        f"  {name}: served {row[name]['tokens_per_s']} tok/s vs engine alone {a['tokens_per_s']} "
+                        f"tok/s: {row[name]['served_over_engine']:.3f}x (same texts: {a['identical_to_served']})",
+                        flush=True,
+                    )
             for name in servers:
                 row[name].pop("texts")
             rec.add(**row)
             s, p = row["sssd"], row["plain"]
-            print(f"concurrency {c:3d} ({n} requests): SSSD {s['tokens_per_s']:7.2f} tok/s TPOT {s['tpot_ms']} ms "
-                  f"TTFT {s['mean_ttft_s']} s | plain {p['tokens_per_s']:7.2f} tok/s TPOT {p['tpot_ms']} ms "
-                  f"TTFT {p['mean_ttft_s']} s | {row['speedup']:.2f}x, failed {s['failed']}+{p['failed']}, "
-                  f"identical={row['identical']}", flush=True)
+            print(
+                f"concurrency {c:3d} ({n} requests): SSSD {s['tokens_per_s']:7.2f} tok/s TPOT {s['tpot_ms']} ms "
+                f"TTFT {s['mean_ttft_s']} s | plain {p['tokens_per_s']:7.2f} tok/s TPOT {p['tpot_ms']} ms "
+                f"TTFT {p['mean_ttft_s']} s | {row['speedup']:.2f}x, failed {s['failed']}+{p['failed']}, "
+                f"identical={row['identical']}",
+                flush=True,
+            )
     finally:
         for proc, _, _ in servers.values():
             proc.terminate()

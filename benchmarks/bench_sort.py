@@ -39,8 +39,11 @@ def main() -> int:
     top = int(stream[stream != sssd.SEPARATOR].max())
     extra = np.arange(top + 1, top + 20_001, dtype=np.uint32)
     wide = np.concatenate([stream, np.array([sssd.SEPARATOR], dtype=np.uint32), extra])
-    configs = {f"{path}, {t} thread{'s' * (t > 1)}": (s, t)
-               for path, s in (("16-bit", stream), ("integer", wide)) for t in (1, 2)}
+    configs = {
+        f"{path}, {t} thread{'s' * (t > 1)}": (s, t)
+        for path, s in (("16-bit", stream), ("integer", wide))
+        for t in (1, 2)
+    }
     rec = Recorder("sort", vars(args))
     times: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(args.rounds):
@@ -52,8 +55,13 @@ def main() -> int:
     for name, ts in times.items():
         n = len(configs[name][0])
         best, med = min(ts), float(np.median(ts))
-        rec.add(config=name, tokens=n, seconds=[round(x, 3) for x in ts],
-                best_tokens_per_s=round(n / best), median_tokens_per_s=round(n / med))
+        rec.add(
+            config=name,
+            tokens=n,
+            seconds=[round(x, 3) for x in ts],
+            best_tokens_per_s=round(n / best),
+            median_tokens_per_s=round(n / med),
+        )
         print(f"  {name:22s} {best:5.2f} s = {n / best / 1e6:5.1f}M tokens/s (median {n / med / 1e6:5.1f}M/s)")
     print(f"machine: {machine()}; records: {rec.path}")
     return 0

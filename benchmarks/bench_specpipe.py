@@ -63,19 +63,28 @@ def main() -> int:
     path = resolve_model(args.model)
     t0 = time.perf_counter()
     backend = PipelineBackend(path, args.stages, slots=max_b, capacity=args.max_model_len, threads=args.threads)
-    print(f"{path.name}: {args.stages} stages {backend.ranges}, started in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(
+        f"{path.name}: {args.stages} stages {backend.ranges}, started in {time.perf_counter() - t0:.1f} s", flush=True
+    )
     draft = [d for d in args.draft.split(",") if d]
     ds = None if args.datastore == "none" else args.datastore
 
     def engine(stages: int, sources: list, budget: int) -> LLMEngine:
-        cfg = EngineConfig(max_running=max_b, max_model_len=args.max_model_len, budget=budget,
-                           pipeline_stages=stages, threads=args.threads)
+        cfg = EngineConfig(
+            max_running=max_b,
+            max_model_len=args.max_model_len,
+            budget=budget,
+            pipeline_stages=stages,
+            threads=args.threads,
+        )
         return LLMEngine(path, datastore=ds if sources else None, draft=sources, config=cfg, backend=backend)
 
     costs = {T: pass_seconds(backend, T) for T in sorted({1, args.width + 1, args.budget + 1})}
-    print("one pass through all stages, one stage at a time (context 256): "
-          + ", ".join(f"{T} token(s) {1e3 * c:.1f} ms" for T, c in costs.items()), flush=True)
+    print(
+        "one pass through all stages, one stage at a time (context 256): "
+        + ", ".join(f"{T} token(s) {1e3 * c:.1f} ms" for T, c in costs.items()),
+        flush=True,
+    )
     rec.add(kind="pass_seconds", model=path.name, stages=args.stages, seconds={str(k): v for k, v in costs.items()})
     variants = {"plain-pp": engine(args.stages, [], 0), "spec-seq": engine(1, draft, args.budget)}
     for lv in args.levels:
@@ -95,16 +104,26 @@ def main() -> int:
                             results[name] = s
                 base = results["plain-pp"]
                 for name, s in results.items():
-                    row = {"model": path.name, "stages": args.stages, "set": dataset, "batch": B,
-                           "prompts": len(prompts), "variant": name, **{k: v for k, v in s.items() if k != "ids"},
-                           "vs_plain_pp": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
-                           "identical": s["ids"] == base["ids"]}
+                    row = {
+                        "model": path.name,
+                        "stages": args.stages,
+                        "set": dataset,
+                        "batch": B,
+                        "prompts": len(prompts),
+                        "variant": name,
+                        **{k: v for k, v in s.items() if k != "ids"},
+                        "vs_plain_pp": round(s["tokens_per_s"] / base["tokens_per_s"], 3),
+                        "identical": s["ids"] == base["ids"],
+                    }
                     rows.append(row)
                     rec.add(**row)
-                    print(f"{dataset:9s} B={B:<2d} {name:12s} {s['tokens_per_s']:7.2f} tok/s "
-                          f"({row['vs_plain_pp']:.2f}x)  {s['tokens_per_step']:.3f} tok/step  "
-                          f"{1e3 * s['seconds_per_step']:.1f} ms/step  accepted {s['accepted']}  "
-                          f"flushes {s.get('flushes', '-')}  identical={row['identical']}", flush=True)
+                    print(
+                        f"{dataset:9s} B={B:<2d} {name:12s} {s['tokens_per_s']:7.2f} tok/s "
+                        f"({row['vs_plain_pp']:.2f}x)  {s['tokens_per_step']:.3f} tok/step  "
+                        f"{1e3 * s['seconds_per_step']:.1f} ms/step  accepted {s['accepted']}  "
+                        f"flushes {s.get('flushes', '-')}  identical={row['identical']}",
+                        flush=True,
+                    )
     finally:
         backend.close()
     print(table(rows))
@@ -142,28 +161,45 @@ def run(eng: LLMEngine, prompts, B: int, max_tokens: int, stages: int) -> dict:
     outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens))
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    out = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3),
-           "accepted": m.num_accepted_tokens - acc0, "ids": [o.token_ids for o in outs]}
+    out = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3),
+        "accepted": m.num_accepted_tokens - acc0,
+        "ids": [o.token_ids for o in outs],
+    }
     if pipe is not None:
         st = pipe.stats
         n = st.steps - p0.steps
-        out.update(pipeline_steps=n, tokens_per_step=round((st.emitted - p0.emitted) / n, 4),
-                   seconds_per_step=round((st.seconds - p0.seconds) / n, 5), flushes=st.flushes - p0.flushes,
-                   nodes_per_step=round((st.nodes - p0.nodes) / n, 2))
+        out.update(
+            pipeline_steps=n,
+            tokens_per_step=round((st.emitted - p0.emitted) / n, 4),
+            seconds_per_step=round((st.seconds - p0.seconds) / n, 5),
+            flushes=st.flushes - p0.flushes,
+            nodes_per_step=round((st.nodes - p0.nodes) / n, 2),
+        )
     else:
         n = (m.steps - steps0) * stages  # each pass goes stage after stage
-        out.update(pipeline_steps=n, tokens_per_step=round(tokens / n, 4),
-                   seconds_per_step=round((m.forward_seconds + m.draft_seconds - fwd0) / n, 5))
+        out.update(
+            pipeline_steps=n,
+            tokens_per_step=round(tokens / n, 4),
+            seconds_per_step=round((m.forward_seconds + m.draft_seconds - fwd0) / n, 5),
+        )
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| set | batch | variant | tok/s | vs plain-pp | tokens/pipeline step | ms/pipeline step | accepted | "
-             "flushes | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | batch | variant | tok/s | vs plain-pp | tokens/pipeline step | ms/pipeline step | accepted | "
+        "flushes | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.2f} | "
-                     f"{r['vs_plain_pp']:.2f}x | {r['tokens_per_step']:.3f} | {1e3 * r['seconds_per_step']:.1f} | "
-                     f"{r['accepted']} | {r.get('flushes', '-')} | {r['identical']} |")
+        lines.append(
+            f"| {r['set']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.2f} | "
+            f"{r['vs_plain_pp']:.2f}x | {r['tokens_per_step']:.3f} | {1e3 * r['seconds_per_step']:.1f} | "
+            f"{r['accepted']} | {r.get('flushes', '-')} | {r['identical']} |"
+        )
     return "\n".join(lines)
 
 

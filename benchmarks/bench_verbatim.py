@@ -67,9 +67,11 @@ def main() -> None:
 
     ds = sssd.Datastore.open(args.datastore)
     cases = sample_contexts(ds, args.contexts, args.context, args.follow, args.seed)
-    configs = {"fixed 16-token branches": sssd.DrafterConfig(datastore_branch_per_match=0, datastore_max_branch_len=16),
-               "built-in defaults": sssd.DrafterConfig(),
-               "defaults, match boost 1.5": sssd.DrafterConfig(match_boost=1.5)}
+    configs = {
+        "fixed 16-token branches": sssd.DrafterConfig(datastore_branch_per_match=0, datastore_max_branch_len=16),
+        "built-in defaults": sssd.DrafterConfig(),
+        "defaults, match boost 1.5": sssd.DrafterConfig(match_boost=1.5),
+    }
     for path in args.config:
         configs[f"{path} (budget {args.budget})"] = sssd.DrafterConfig.load(path, args.budget)
     rec = Recorder("verbatim", vars(args))
@@ -86,8 +88,14 @@ def main() -> None:
         lengths = np.asarray(lengths)
         share = float((lengths >= args.goal).mean())
         print(f"{name:48s} {lengths.mean():6.1f} {np.median(lengths):6.0f} {share:8.0%} {us:9.0f}")
-        rec.add(config=name, contexts=len(cases), mean=float(lengths.mean()), median=float(np.median(lengths)),
-                share_at_goal=share, us_per_draft=us)
+        rec.add(
+            config=name,
+            contexts=len(cases),
+            mean=float(lengths.mean()),
+            median=float(np.median(lengths)),
+            share_at_goal=share,
+            us_per_draft=us,
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def machine() -> dict:
 
 def git_sha() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -43,7 +45,13 @@ class Recorder:
     def __init__(self, name: str, params: dict):
         OUT_DIR.mkdir(parents=True, exist_ok=True)
         self.path = OUT_DIR / f"{name}.jsonl"
-        self.header = {"benchmark": name, "git": git_sha(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "params": params}
+        self.header = {
+            "benchmark": name,
+            "git": git_sha(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": machine(),
+            "params": params,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps({"header": self.header}) + "\n")
 

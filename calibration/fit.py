@@ -30,8 +30,8 @@ class Reliability:
 
     source: str
     predicted: np.ndarray  # mean predicted probability per bin
-    observed: np.ndarray   # observed acceptance per bin
-    count: np.ndarray      # observations per bin
+    observed: np.ndarray  # observed acceptance per bin
+    count: np.ndarray  # observations per bin
 
 
 def reliability(nodes: dict[str, np.ndarray], score_key: str = "prob", bins: int = 12) -> list[Reliability]:
@@ -80,7 +80,9 @@ def fit_calibration(nodes: dict[str, np.ndarray], min_cell: int = MIN_CELL, max_
             by_depth = isotonic_fit(prob[in_d], acc[in_d], max_knots=max_knots) if in_d.sum() >= min_cell else overall
             for m in range(len(MATCH_BINS)):
                 cell = in_d & (mbin == m)
-                knots, values = isotonic_fit(prob[cell], acc[cell], max_knots=max_knots) if cell.sum() >= min_cell else by_depth
+                knots, values = (
+                    isotonic_fit(prob[cell], acc[cell], max_knots=max_knots) if cell.sum() >= min_cell else by_depth
+                )
                 curves.append((s, m, d, tuple(float(v) for v in knots), tuple(float(v) for v in values)))
     return Calibration(MATCH_BINS, DEPTH_BINS, tuple(curves))
 

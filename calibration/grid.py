@@ -46,32 +46,55 @@ class GridAxes:
                 raise ValueError(f"grid axis {f.name} is empty")
 
     def query_points(self, base: DrafterConfig) -> list[DrafterConfig]:
-        return [base.replace(max_samples=m, min_occurrences=t, datastore_branch_len=b, datastore_branch_per_match=g,
-                             match_boost=w)
-                for m, t, b, g, w in itertools.product(self.max_samples, self.min_occurrences, self.datastore_branch_len,
-                                                       self.datastore_branch_per_match, self.match_boost)]
+        return [
+            base.replace(
+                max_samples=m, min_occurrences=t, datastore_branch_len=b, datastore_branch_per_match=g, match_boost=w
+            )
+            for m, t, b, g, w in itertools.product(
+                self.max_samples,
+                self.min_occurrences,
+                self.datastore_branch_len,
+                self.datastore_branch_per_match,
+                self.match_boost,
+            )
+        ]
 
     def discount_points(self, base: DrafterConfig) -> list[DrafterConfig]:
         d = base.discounts
         out = []
-        for scale, mdamp, ddecay, dsdamp in itertools.product(self.input_scale, self.input_match_damping,
-                                                              self.input_depth_decay, self.datastore_match_damping):
+        for scale, mdamp, ddecay, dsdamp in itertools.product(
+            self.input_scale, self.input_match_damping, self.input_depth_decay, self.datastore_match_damping
+        ):
             disc = DiscountParams(
                 datastore=dataclasses.replace(d.datastore, match_damping=dsdamp),
-                input=SourceDiscount(scale=scale, depth_decay=ddecay, match_damping=mdamp, full_match=d.input.full_match),
+                input=SourceDiscount(
+                    scale=scale, depth_decay=ddecay, match_damping=mdamp, full_match=d.input.full_match
+                ),
                 external=d.external,
             )
             out.append(base.replace(discounts=disc))
         return out
 
     def copy_points(self, base: DrafterConfig) -> list[DrafterConfig]:
-        return [base.replace(copy_rate=r, copy_min_match=m, copy_exclusion=x)
-                for r, m, x in itertools.product(self.copy_rate, self.copy_min_match, self.copy_exclusion)]
+        return [
+            base.replace(copy_rate=r, copy_min_match=m, copy_exclusion=x)
+            for r, m, x in itertools.product(self.copy_rate, self.copy_min_match, self.copy_exclusion)
+        ]
 
     def size(self) -> int:
-        q = (len(self.max_samples) * len(self.min_occurrences) * len(self.datastore_branch_len)
-             * len(self.datastore_branch_per_match) * len(self.match_boost))
-        d = len(self.input_scale) * len(self.input_match_damping) * len(self.input_depth_decay) * len(self.datastore_match_damping)
+        q = (
+            len(self.max_samples)
+            * len(self.min_occurrences)
+            * len(self.datastore_branch_len)
+            * len(self.datastore_branch_per_match)
+            * len(self.match_boost)
+        )
+        d = (
+            len(self.input_scale)
+            * len(self.input_match_damping)
+            * len(self.input_depth_decay)
+            * len(self.datastore_match_damping)
+        )
         c = len(self.copy_rate) * len(self.copy_min_match) * len(self.copy_exclusion)
         return q + d + c
 
@@ -88,15 +111,25 @@ class Trial:
 
     def row(self) -> dict[str, Any]:
         c = self.config
-        return {"stage": self.stage, "budget": self.budget, "mat": round(self.mat, 4), "draft_us": round(self.draft_us, 2),
-                "max_samples": c.max_samples, "min_occurrences": c.min_occurrences,
-                "datastore_branch_len": c.datastore_branch_len,
-                "datastore_branch_per_match": c.datastore_branch_per_match, "match_boost": c.match_boost,
-                "input_scale": c.discounts.input.scale,
-                "input_match_damping": c.discounts.input.match_damping, "input_depth_decay": c.discounts.input.depth_decay,
-                "datastore_match_damping": c.discounts.datastore.match_damping,
-                "copy_rate": c.copy_rate, "copy_min_match": c.copy_min_match, "copy_exclusion": c.copy_exclusion,
-                "calibrated": c.discounts.calibration is not None}
+        return {
+            "stage": self.stage,
+            "budget": self.budget,
+            "mat": round(self.mat, 4),
+            "draft_us": round(self.draft_us, 2),
+            "max_samples": c.max_samples,
+            "min_occurrences": c.min_occurrences,
+            "datastore_branch_len": c.datastore_branch_len,
+            "datastore_branch_per_match": c.datastore_branch_per_match,
+            "match_boost": c.match_boost,
+            "input_scale": c.discounts.input.scale,
+            "input_match_damping": c.discounts.input.match_damping,
+            "input_depth_decay": c.discounts.input.depth_decay,
+            "datastore_match_damping": c.discounts.datastore.match_damping,
+            "copy_rate": c.copy_rate,
+            "copy_min_match": c.copy_min_match,
+            "copy_exclusion": c.copy_exclusion,
+            "calibrated": c.discounts.calibration is not None,
+        }
 
 
 # -- worker processes ----------------------------------------------------------------
@@ -121,8 +154,13 @@ def _run(task: tuple[DrafterConfig, int]) -> tuple[float, float]:
     return res.mat, res.draft_us_per_call
 
 
-def evaluate(trials: list[Trial], examples: Sequence[Example], datastore_path: str | Path, workers: int = 0,
-             progress: Callable[[int, int], None] | None = None) -> list[Trial]:
+def evaluate(
+    trials: list[Trial],
+    examples: Sequence[Example],
+    datastore_path: str | Path,
+    workers: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Trial]:
     """Replays every trial (in `workers` processes; 0: one per core) and fills in its MAT."""
     if not trials:
         raise ValueError("no grid points to evaluate")
@@ -186,26 +224,42 @@ class SearchResult:
         return min(tied, key=lambda t: (changes_from(t.config, self.base), -t.mat))
 
 
-def staged_search(examples: Sequence[Example], datastore_path: str | Path, budgets: Sequence[int], axes: GridAxes,
-                  base: DrafterConfig | None = None, workers: int = 0,
-                  progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
+def staged_search(
+    examples: Sequence[Example],
+    datastore_path: str | Path,
+    budgets: Sequence[int],
+    axes: GridAxes,
+    base: DrafterConfig | None = None,
+    workers: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> SearchResult:
     """Query parameters first, then discounts, then the copy source; returns every trial."""
     if not budgets:
         raise ValueError("no budgets to calibrate for")
     base = base or DrafterConfig()
     result = SearchResult(base=base)
     stage1 = [Trial(c, b, stage="query") for b in budgets for c in axes.query_points(base)]
-    evaluate(stage1, examples, datastore_path, workers, (lambda d, t: progress("query parameters", d, t)) if progress else None)
+    evaluate(
+        stage1,
+        examples,
+        datastore_path,
+        workers,
+        (lambda d, t: progress("query parameters", d, t)) if progress else None,
+    )
     result.trials += stage1
     stage2 = []
     for b in budgets:
         best_query = result.best(b).config
         stage2 += [Trial(c, b, stage="discounts") for c in axes.discount_points(best_query)]
-    evaluate(stage2, examples, datastore_path, workers, (lambda d, t: progress("discounts", d, t)) if progress else None)
+    evaluate(
+        stage2, examples, datastore_path, workers, (lambda d, t: progress("discounts", d, t)) if progress else None
+    )
     result.trials += stage2
     stage3 = []
     for b in budgets:
         stage3 += [Trial(c, b, stage="copy") for c in axes.copy_points(result.best(b).config)]
-    evaluate(stage3, examples, datastore_path, workers, (lambda d, t: progress("copy source", d, t)) if progress else None)
+    evaluate(
+        stage3, examples, datastore_path, workers, (lambda d, t: progress("copy source", d, t)) if progress else None
+    )
     result.trials += stage3
     return result

@@ -54,8 +54,16 @@ VERSION = 1
 #: Special tokens that end an assistant turn in common chat templates (in order of preference).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>")
 #: Header fields a resumed file must share with the new run.
-_RESUME_KEYS = ("dataset", "model.sha256", "tokenizer.sha256", "generation.mode", "generation.max_new_tokens",
-                "generation.dtype", "generation.stop_ids", "generation.chat_template")
+_RESUME_KEYS = (
+    "dataset",
+    "model.sha256",
+    "tokenizer.sha256",
+    "generation.mode",
+    "generation.max_new_tokens",
+    "generation.dtype",
+    "generation.stop_ids",
+    "generation.chat_template",
+)
 
 Log = Callable[[str], None]
 
@@ -92,16 +100,25 @@ class Summary:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"path": str(self.path), "mode": self.mode, "records": self.total, "new": self.new,
-               "resumed_past": self.skipped, "new_tokens": self.new_tokens, "seconds": round(self.seconds, 1),
-               "tokens_per_second": round(self.tokens_per_second, 2), "finish": self.finish,
-               "mean_output_len": round(self.mean_output_len, 1)}
+        out = {
+            "path": str(self.path),
+            "mode": self.mode,
+            "records": self.total,
+            "new": self.new,
+            "resumed_past": self.skipped,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 1),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "finish": self.finish,
+            "mean_output_len": round(self.mean_output_len, 1),
+        }
         if self.mode == "recorded":
             del out["tokens_per_second"]
         return out
 
 
 # -- locations -----------------------------------------------------------------
+
 
 def default_dir() -> Path:
     """<sssd cache>/groundtruth."""
@@ -122,6 +139,7 @@ def default_path(model: str | os.PathLike, dataset: str) -> Path:
 
 
 # -- tokens --------------------------------------------------------------------
+
 
 def stop_ids(tokenizer: Any, model: Any = None) -> list[int]:
     """Token ids that end generation: the tokenizer's EOS, the model's generation-config EOS,
@@ -170,16 +188,19 @@ def prompt_ids(tokenizer: Any, messages: Sequence[dict], chat_template: bool = T
     contents joined by blank lines, with the tokenizer's own special tokens."""
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template (a base model?); use chat_template=False "
-                             "(--no-chat-template) to prompt with the plain text")
+            raise ValueError(
+                "the tokenizer has no chat template (a base model?); use chat_template=False "
+                "(--no-chat-template) to prompt with the plain text"
+            )
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n\n".join(str(m.get("content") or "") for m in messages)
     return list(tokenizer(text)["input_ids"])
 
 
-def greedy_generate(model: Any, prompt: Sequence[int], max_new_tokens: int,
-                    stop: Sequence[int] = ()) -> tuple[list[int], str]:
+def greedy_generate(
+    model: Any, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()
+) -> tuple[list[int], str]:
     """Plain greedy decoding, batch 1, by transformers' own ``generate`` (the reference engine;
     its public API, so no dependence on how a model's forward names its cache).
 
@@ -194,15 +215,22 @@ def greedy_generate(model: Any, prompt: Sequence[int], max_new_tokens: int,
     if len(prompt) == 0:
         raise ValueError("empty prompt")
     stops = sorted({int(s) for s in stop})
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
-                              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=stops or None,
+        pad_token_id=stops[0] if stops else 0,
+    )
     with torch.no_grad():
         seq = model.generate(torch.tensor([list(prompt)], dtype=torch.long), generation_config=config)
-    out = seq[0, len(prompt):].tolist()
+    out = seq[0, len(prompt) :].tolist()
     return out, "eos" if out and out[-1] in stops else "length"
 
 
 # -- files ---------------------------------------------------------------------
+
 
 def read_file(path: str | Path, *, repair: bool = False) -> tuple[dict, list[dict]]:
     """The header and records of a ground-truth file.
@@ -276,11 +304,17 @@ def load_groundtruth(path: str | Path, tokenizer: Any = None) -> tuple[dict, lis
                 f"tokenizer mismatch: ground truth {path} was made with tokenizer {have.get('name')!r} "
                 f"(sha256 {str(have.get('sha256'))[:12]}, vocab {have.get('vocab_size')}) but the given tokenizer is "
                 f"{want.get('name')!r} (sha256 {str(want.get('sha256'))[:12]}, vocab {want.get('vocab_size')}); "
-                "its token ids would not match")
-    examples = [GroundTruthExample(prompt=np.asarray(r["prompt_ids"], dtype=np.int32),
-                                   output=np.asarray(r["output_ids"], dtype=np.int32),
-                                   id=str(r["id"]), finish=str(r.get("finish", "")))
-                for r in records]
+                "its token ids would not match"
+            )
+    examples = [
+        GroundTruthExample(
+            prompt=np.asarray(r["prompt_ids"], dtype=np.int32),
+            output=np.asarray(r["output_ids"], dtype=np.int32),
+            id=str(r["id"]),
+            finish=str(r.get("finish", "")),
+        )
+        for r in records
+    ]
     return header, examples
 
 
@@ -310,8 +344,10 @@ class Writer:
             for key in _RESUME_KEYS:
                 a, b = _get(old, key), _get(header, key)
                 if a != b:
-                    raise ValueError(f"{path} exists but was made with another {key} ({_short(a)}, now {_short(b)}); "
-                                     "give another --output or --overwrite to start over")
+                    raise ValueError(
+                        f"{path} exists but was made with another {key} ({_short(a)}, now {_short(b)}); "
+                        "give another --output or --overwrite to start over"
+                    )
             self.done = {str(r["id"]): r for r in records}
             if self.done:
                 log(f"resuming {path}: {len(self.done)} records already there")
@@ -348,9 +384,19 @@ def _short(v: Any) -> str:
 
 # -- runs ----------------------------------------------------------------------
 
-def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: str | Path | None = None, *,
-           dataset: str | None = None, max_new_tokens: int | None = None, chat_template: bool = True,
-           overwrite: bool = False, progress: bool = True, log: Log = log_to_stderr) -> Summary:
+
+def record(
+    model: str | os.PathLike,
+    records: Sequence[PromptRecord],
+    output: str | Path | None = None,
+    *,
+    dataset: str | None = None,
+    max_new_tokens: int | None = None,
+    chat_template: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Log = log_to_stderr,
+) -> Summary:
     """Writes ground truth from recorded answers (each record's ``reference``), no generation.
 
     The prompt is the chat template of the conversation so far (as ``generate`` renders it); the
@@ -366,14 +412,27 @@ def record(model: str | os.PathLike, records: Sequence[PromptRecord], output: st
     tokenizer = _hf_tokenizer(folder)
     eot = end_of_turn_id(tokenizer)
     out_path = Path(output) if output is not None else default_path(model, dataset)
-    header = file_header(dataset, model, folder, load_tokenizer(folder), {
-        "mode": "recorded", "max_new_tokens": max_new_tokens, "dtype": None, "stop_ids": [eot],
-        "chat_template": chat_template, "batch_size": 1, "engine": None})
+    header = file_header(
+        dataset,
+        model,
+        folder,
+        load_tokenizer(folder),
+        {
+            "mode": "recorded",
+            "max_new_tokens": max_new_tokens,
+            "dtype": None,
+            "stop_ids": [eot],
+            "chat_template": chat_template,
+            "batch_size": 1,
+            "engine": None,
+        },
+    )
     writer = Writer(out_path, header, overwrite, log)
     summary = Summary(out_path, mode="recorded", skipped=sum(1 for r in records if r.id in writer.done))
     todo = [r for r in records if r.id not in writer.done]
-    bar = progress_bar(progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} recorded",
-               unit="prompt")
+    bar = progress_bar(
+        progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} recorded", unit="prompt"
+    )
     t_start = time.perf_counter()
     try:
         for rec in todo:
@@ -410,10 +469,15 @@ def check_records(records: Sequence[PromptRecord], dataset: str | None) -> tuple
 def file_header(dataset: str, model: Any, folder: Path, tok: Any, generation: dict) -> dict:
     """A ground-truth file's header: the prompt set, the model (`model` as named, at `folder`), its
     tokenizer `tok` (an sssd Tokenizer) and how the outputs were made (`generation`)."""
-    return {"format": FORMAT, "version": VERSION, "dataset": dataset,
-            "model": model_identity(folder, name=model_label(model)), "tokenizer": tok.identity(),
-            "generation": {**generation, "versions": _versions()},
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dataset": dataset,
+        "model": model_identity(folder, name=model_label(model)),
+        "tokenizer": tok.identity(),
+        "generation": {**generation, "versions": _versions()},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def filled_messages(rec: PromptRecord, done: dict[str, dict], tokenizer: Any, stops: Sequence[int]) -> list[dict]:
@@ -422,8 +486,9 @@ def filled_messages(rec: PromptRecord, done: dict[str, dict], tokenizer: Any, st
         return rec.messages
     prev = done.get(rec.follows or "")
     if prev is None:
-        raise ValueError(f"record {rec.id!r} follows {rec.follows!r}, which has no output yet "
-                         "(put it earlier in the prompt set)")
+        raise ValueError(
+            f"record {rec.id!r} follows {rec.follows!r}, which has no output yet (put it earlier in the prompt set)"
+        )
     ids = [t for t in prev["output_ids"] if t not in set(stops)]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     return [dict(m, content=text) if m.get("content") is None else m for m in rec.messages]
@@ -462,14 +527,16 @@ def progress_bar(progress: bool, **kwargs: Any):
 
 # -- contamination -------------------------------------------------------------
 
+
 def contamination_path(path: str | Path) -> Path:
     """The contamination sidecar of a ground-truth file: <name>.contamination.json beside it."""
     path = Path(path)
     return path.with_name(path.stem + ".contamination.json")
 
 
-def write_contamination(path: str | Path, datastore: Any = "default", window: int = 32,
-                        threshold: float = 0.5) -> tuple[Any, Path]:
+def write_contamination(
+    path: str | Path, datastore: Any = "default", window: int = 32, threshold: float = 0.5
+) -> tuple[Any, Path]:
     """Measures each output's overlap with a datastore and writes the sidecar file.
 
     The sidecar holds the summary and, per record id, the fraction of its ``window``-token windows
@@ -488,11 +555,16 @@ def write_contamination(path: str | Path, datastore: Any = "default", window: in
     fractions = contamination(examples, ds, window, end_ids=header.get("generation", {}).get("stop_ids") or ())
     report = ContaminationReport(window, fractions)
     sidecar = contamination_path(path)
-    data = {"groundtruth": str(Path(path).resolve()), "dataset": header.get("dataset"),
-            "datastore": {"path": str(ds.path), "fingerprint": ds.manifest.get("fingerprint")},
-            "window": window, "threshold": threshold, "summary": report.summary(),
-            "contaminated": [e.id for e, f in zip(examples, fractions) if f >= threshold],
-            "fractions": {e.id: (None if f != f else round(f, 4)) for e, f in zip(examples, fractions)}}
+    data = {
+        "groundtruth": str(Path(path).resolve()),
+        "dataset": header.get("dataset"),
+        "datastore": {"path": str(ds.path), "fingerprint": ds.manifest.get("fingerprint")},
+        "window": window,
+        "threshold": threshold,
+        "summary": report.summary(),
+        "contaminated": [e.id for e, f in zip(examples, fractions) if f >= threshold],
+        "fractions": {e.id: (None if f != f else round(f, 4)) for e, f in zip(examples, fractions)},
+    }
     tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, sidecar)

@@ -67,8 +67,13 @@ class DiscountFit:
         (a tie changes nothing)."""
         top = max(m for _, m in self.grid)
         tied = [d for d, m in self.grid if m >= top * 0.999]
-        return min(tied, key=lambda d: (abs(np.log(d.scale / self.reference.scale)),
-                                        abs(d.depth_decay - self.reference.depth_decay)))
+        return min(
+            tied,
+            key=lambda d: (
+                abs(np.log(d.scale / self.reference.scale)),
+                abs(d.depth_decay - self.reference.depth_decay),
+            ),
+        )
 
     @property
     def best_mat(self) -> float:
@@ -80,34 +85,59 @@ class DiscountFit:
 
     def to_dict(self) -> dict:
         """The calibration file's entry for the source (sssd.calibration_file reads "discount")."""
-        return {"discount": _discount_dict(self.best), "budget": self.budget, "mat": round(self.best_mat, 4),
-                "mat_reference": round(self.reference_mat, 4), "mat_retrieval_alone": round(self.retrieval_mat, 4),
-                "steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 1),
-                "grid": [{**_discount_dict(d), "mat": round(m, 4)} for d, m in self.grid]}
+        return {
+            "discount": _discount_dict(self.best),
+            "budget": self.budget,
+            "mat": round(self.best_mat, 4),
+            "mat_reference": round(self.reference_mat, 4),
+            "mat_retrieval_alone": round(self.retrieval_mat, 4),
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 1),
+            "grid": [{**_discount_dict(d), "mat": round(m, 4)} for d, m in self.grid],
+        }
 
 
 def _discount_dict(d: SourceDiscount) -> dict:
-    return {"scale": d.scale, "depth_decay": d.depth_decay, "match_damping": d.match_damping,
-            "full_match": d.full_match}
+    return {
+        "scale": d.scale,
+        "depth_decay": d.depth_decay,
+        "match_damping": d.match_damping,
+        "full_match": d.full_match,
+    }
 
 
-def discount_grid(reference: SourceDiscount, scales: Sequence[float] = DEFAULT_SCALES,
-                  decays: Sequence[float] = DEFAULT_DECAYS) -> list[SourceDiscount]:
+def discount_grid(
+    reference: SourceDiscount, scales: Sequence[float] = DEFAULT_SCALES, decays: Sequence[float] = DEFAULT_DECAYS
+) -> list[SourceDiscount]:
     """Every (scale, depth decay) pair, the reference first (kept once)."""
     out = [reference]
     for s in scales:
         for dd in decays:
-            d = SourceDiscount(scale=float(s), depth_decay=float(dd), match_damping=reference.match_damping,
-                               full_match=reference.full_match)
+            d = SourceDiscount(
+                scale=float(s),
+                depth_decay=float(dd),
+                match_damping=reference.match_damping,
+                full_match=reference.full_match,
+            )
             if d not in out:
                 out.append(d)
     return out
 
 
-def fit_source_discount(examples: Sequence[Example], datastore, config: DrafterConfig, source, budget: int,
-                        grid: Sequence[SourceDiscount] | None = None, *, batch_size: int = 8,
-                        key: str | None = None, vocab_size: int | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> DiscountFit:
+def fit_source_discount(
+    examples: Sequence[Example],
+    datastore,
+    config: DrafterConfig,
+    source,
+    budget: int,
+    grid: Sequence[SourceDiscount] | None = None,
+    *,
+    batch_size: int = 8,
+    key: str | None = None,
+    vocab_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> DiscountFit:
     """Scores every discount of `grid` for `source` beside retrieval (module docstring).
 
     Args:
@@ -154,8 +184,10 @@ def fit_source_discount(examples: Sequence[Example], datastore, config: DrafterC
             ids = np.fromiter(pos, dtype=np.int64, count=len(pos))
             at = np.fromiter(pos.values(), dtype=np.int64, count=len(pos))
             outputs = [np.asarray(examples[i].output, dtype=np.int64) for i in ids]
-            history = [np.concatenate([np.asarray(examples[i].prompt, dtype=np.int64), o[:p]])
-                       for i, o, p in zip(ids.tolist(), outputs, at.tolist())]
+            history = [
+                np.concatenate([np.asarray(examples[i].prompt, dtype=np.int64), o[:p]])
+                for i, o, p in zip(ids.tolist(), outputs, at.tolist())
+            ]
             proposals = source.propose([DraftRequest(int(i), h, budget) for i, h in zip(ids, history)])
             per_request = [[(2, c.check(vocab_size))] if c is not None else [] for c in proposals]
             external = _concat_candidates(per_request)

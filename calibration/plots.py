@@ -24,7 +24,9 @@ def reliability_plot(before: Sequence[Reliability], after: Sequence[Reliability]
     for ax, rels, label in ((axes[0], before, "raw source probability"), (axes[1], after, "calibrated")):
         ax.plot([0, 1], [0, 1], color="0.7", linestyle="--", linewidth=1, label="perfect calibration")
         for r in rels:
-            ax.plot(r.predicted, r.observed, marker="o", markersize=3, label=f"{r.source} ({int(r.count.sum()):,} nodes)")
+            ax.plot(
+                r.predicted, r.observed, marker="o", markersize=3, label=f"{r.source} ({int(r.count.sum()):,} nodes)"
+            )
         ax.set_xlabel(f"predicted acceptance ({label})")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)

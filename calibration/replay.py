@@ -76,11 +76,16 @@ class ReplayResult:
         return {k: v / total for k, v in self.accepted_by_source.items()} if total else {}
 
     def summary(self) -> dict:
-        return {"budget": self.budget, "mat": round(self.mat, 4), "steps": self.steps, "tokens": self.tokens,
-                "draft_us_per_call": round(self.draft_us_per_call, 2),
-                "update_us_per_call": round(self.update_us_per_call, 2),
-                "acceptance_per_depth": [round(float(x), 4) for x in self.acceptance_per_depth[1:9]],
-                "source_shares": {k: round(v, 4) for k, v in self.source_shares().items()}}
+        return {
+            "budget": self.budget,
+            "mat": round(self.mat, 4),
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "draft_us_per_call": round(self.draft_us_per_call, 2),
+            "update_us_per_call": round(self.update_us_per_call, 2),
+            "acceptance_per_depth": [round(float(x), 4) for x in self.acceptance_per_depth[1:9]],
+            "source_shares": {k: round(v, 4) for k, v in self.source_shares().items()},
+        }
 
 
 def matched_nodes(batch: sssd.DraftBatch, targets: Sequence[np.ndarray], positions: np.ndarray) -> np.ndarray:
@@ -120,8 +125,15 @@ def accepted_lengths(batch: sssd.DraftBatch, matched: np.ndarray) -> np.ndarray:
     return acc
 
 
-def replay(drafter: sssd.Drafter, examples: Sequence[Example], budget: int, *, batch_size: int = 256,
-           record_nodes: bool = False, max_depth: int = 64) -> ReplayResult:
+def replay(
+    drafter: sssd.Drafter,
+    examples: Sequence[Example],
+    budget: int,
+    *,
+    batch_size: int = 256,
+    record_nodes: bool = False,
+    max_depth: int = 64,
+) -> ReplayResult:
     """Replays greedy decoding of every example with ``drafter`` at ``budget``.
 
     Args:

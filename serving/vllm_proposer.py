@@ -106,15 +106,21 @@ class SSSDProposer:
         n = len(context)
         if held is not None and len(held) <= n and np.array_equal(held, context[: len(held)]):
             if n > len(held):
-                self.drafter.extend(row, context[len(held):])
+                self.drafter.extend(row, context[len(held) :])
         else:
             if row in self.drafter:
                 self.drafter.close(row)
             self.drafter.open(row, context)
         self.rows[row] = context.copy()
 
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
-                slot_mappings: Any = None, **kwargs: Any) -> list[list[int]]:
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+        **kwargs: Any,
+    ) -> list[list[int]]:
         batch = len(sampled_token_ids)
         rows = []
         for row in range(batch):

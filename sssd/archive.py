@@ -121,12 +121,14 @@ def unpack_cached(archive: str | Path) -> Path:
             _point_tokenizer_at(tmp, target)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DatastoreError(f"{archive}: no space left on the device holding {root} while unpacking "
-                                 "(nothing was kept)") from None
+            raise DatastoreError(
+                f"{archive}: no space left on the device holding {root} while unpacking (nothing was kept)"
+            ) from None
         raise
     if not (target / MANIFEST).is_file():
-        raise DatastoreError(f"{target} is in the way of unpacking {archive}: it is not a complete unpacked "
-                             "datastore; remove it")
+        raise DatastoreError(
+            f"{target} is in the way of unpacking {archive}: it is not a complete unpacked datastore; remove it"
+        )
     return target
 
 
@@ -158,6 +160,7 @@ def verify(archive: str | Path) -> dict[str, str]:
 
 # -- internals ----------------------------------------------------------------------
 
+
 class _ArchiveReader:
     """Context manager iterating an archive's entries as (name, size, read(n))."""
 
@@ -180,7 +183,9 @@ class _ArchiveReader:
         _, version, _ = HEADER.unpack(head)
         if version > VERSION:
             self.raw.close()
-            raise DatastoreError(f"{self.archive}: archive format version {version} is newer than this sssd supports ({VERSION}); upgrade sssd")
+            raise DatastoreError(
+                f"{self.archive}: archive format version {version} is newer than this sssd supports ({VERSION}); upgrade sssd"
+            )
         self.z = zstandard.ZstdDecompressor().stream_reader(self.raw, read_across_frames=False)
         return self._entries()
 
@@ -220,8 +225,10 @@ def _manifest_entry(entries, archive: str | Path) -> bytes:
     if name != MANIFEST:
         raise DatastoreError(f"{archive}: corrupt archive (first entry is {name!r}, not {MANIFEST})")
     if size > MAX_MANIFEST_BYTES:
-        raise DatastoreError(f"{archive}: corrupt archive (its {MANIFEST} entry declares {size:,} bytes; a manifest "
-                             f"is at most {MAX_MANIFEST_BYTES:,})")
+        raise DatastoreError(
+            f"{archive}: corrupt archive (its {MANIFEST} entry declares {size:,} bytes; a manifest "
+            f"is at most {MAX_MANIFEST_BYTES:,})"
+        )
     return read(size)
 
 
@@ -254,8 +261,10 @@ def _walk(archive: str | Path, directory: Path | None, results: dict[str, str] |
         if directory is not None:
             free = shutil.disk_usage(directory).free
             if declared + DISK_MARGIN > free:
-                raise DatastoreError(f"{archive}: not enough disk space to unpack it into {directory.parent}: it needs "
-                                     f"{declared / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free")
+                raise DatastoreError(
+                    f"{archive}: not enough disk space to unpack it into {directory.parent}: it needs "
+                    f"{declared / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free"
+                )
             (directory / MANIFEST).write_bytes(raw_manifest)
         tok_name = (manifest.get("tokenizer") or {}).get("file")
         tok_bytes: bytes | None = None
@@ -264,11 +273,15 @@ def _walk(archive: str | Path, directory: Path | None, results: dict[str, str] |
             want = expected.pop(name, None)
             if want is None:
                 again = name == MANIFEST or name in (manifest.get("files") or {})
-                raise DatastoreError(f"{archive}: corrupt archive (entry {name!r} "
-                                     f"{'appears twice' if again else 'is not listed in the manifest'})")
+                raise DatastoreError(
+                    f"{archive}: corrupt archive (entry {name!r} "
+                    f"{'appears twice' if again else 'is not listed in the manifest'})"
+                )
             if size != want["bytes"]:
-                raise DatastoreError(f"{archive}: corrupt archive (entry {name!r} declares {size:,} bytes, the "
-                                     f"manifest says {want['bytes']:,})")
+                raise DatastoreError(
+                    f"{archive}: corrupt archive (entry {name!r} declares {size:,} bytes, the "
+                    f"manifest says {want['bytes']:,})"
+                )
             h = hashlib.sha256()
             keep = name == tok_name and results is not None and size <= MAX_TOKENIZER_BYTES
             kept = bytearray()
@@ -305,12 +318,14 @@ def _walk(archive: str | Path, directory: Path | None, results: dict[str, str] |
 
 
 def _tokenizer_identity_check(data: bytes, manifest: dict[str, Any]) -> str:
-    """"OK" if ``data`` (a tokenizer.json) is the tokenizer the manifest records, else why not."""
+    """ "OK" if ``data`` (a tokenizer.json) is the tokenizer the manifest records, else why not."""
     from tokenizers import Tokenizer as Backend  # heavy (a native library): imported only to verify an archive
 
     recorded = manifest.get("tokenizer") or {}
     try:
-        tok = Tokenizer(Backend.from_str(data.decode("utf-8")), name=str(recorded.get("name")), path=Path(recorded["file"]))
+        tok = Tokenizer(
+            Backend.from_str(data.decode("utf-8")), name=str(recorded.get("name")), path=Path(recorded["file"])
+        )
     except Exception as e:  # the tokenizers library raises plain Exception subclasses
         return f"{recorded['file']} is not a valid tokenizer.json ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
     return tokenizer_mismatch(recorded, tok) or "OK"

@@ -137,8 +137,9 @@ class CalibrationFile:
         """
         d = read_json_object(path, "calibration file")
         if d.get("format") != CALIBRATION_FORMAT:
-            raise ValueError(f"{path}: not an `sssd calibrate` file (format {d.get('format')!r}, "
-                             f"expected {CALIBRATION_FORMAT!r})")
+            raise ValueError(
+                f"{path}: not an `sssd calibrate` file (format {d.get('format')!r}, expected {CALIBRATION_FORMAT!r})"
+            )
         return cls.from_dict(d, where=str(path))
 
     @classmethod
@@ -146,8 +147,10 @@ class CalibrationFile:
         """The entries of a parsed calibration file (ValueError: see ``load``)."""
         version = d.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version != CALIBRATION_VERSION:
-            raise ValueError(f"{where}: calibration format version {version!r} is not supported "
-                             f"(this sssd reads version {CALIBRATION_VERSION}; rerun `sssd calibrate`)")
+            raise ValueError(
+                f"{where}: calibration format version {version!r} is not supported "
+                f"(this sssd reads version {CALIBRATION_VERSION}; rerun `sssd calibrate`)"
+            )
         raw = d.get("budgets")
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: malformed calibration file (budgets is not an object)")
@@ -211,22 +214,31 @@ class CalibrationFile:
         if fp.model:
             name, model_fp = model_fingerprint(model)
             if model_fp != fp.model:
-                out.append(f"model {name or model} {_short(model_fp) if model_fp else '(unknown identity)'} "
-                           f"(calibrated for {fp.model_name or 'a model'} {_short(fp.model)})")
+                out.append(
+                    f"model {name or model} {_short(model_fp) if model_fp else '(unknown identity)'} "
+                    f"(calibrated for {fp.model_name or 'a model'} {_short(fp.model)})"
+                )
         return out
 
     def checked_or_defaults(self, datastore: Any, model: Any) -> CalibrationFile | DrafterConfig:
         """Itself when its fingerprint matches (or it records none: then with a warning that it
         cannot be checked); the uncalibrated DrafterConfig() with a warning naming what differs otherwise."""
         if self.fingerprint is None:
-            log.warning("%s records no fingerprint (an older `sssd calibrate` file): it cannot be checked "
-                        "against this datastore and model; using it as is", self.where)
+            log.warning(
+                "%s records no fingerprint (an older `sssd calibrate` file): it cannot be checked "
+                "against this datastore and model; using it as is",
+                self.where,
+            )
             return self
         problems = self.check(datastore, model)
         if not problems:
             return self
-        log.warning("%s was calibrated for another setup: %s; drafting with the uncalibrated defaults "
-                    "(run `sssd calibrate` for this datastore and model)", self.where, "; ".join(problems))
+        log.warning(
+            "%s was calibrated for another setup: %s; drafting with the uncalibrated defaults "
+            "(run `sssd calibrate` for this datastore and model)",
+            self.where,
+            "; ".join(problems),
+        )
         return DrafterConfig()
 
 
@@ -249,12 +261,15 @@ def drafter_config_for(entries: dict[int, DrafterConfig]) -> DrafterConfig:
     """The config of a Drafter that drafts with every entry (``Drafter.draft(config=...)``): the
     largest budget's entry, with request tries as deep as the deepest entry's input source."""
     cfgs = list(entries.values())
-    return cfgs[-1].replace(use_datastore=any(c.use_datastore for c in cfgs), use_input=any(c.use_input for c in cfgs),
-                            input_max_match=max(c.input_max_match for c in cfgs),
-                            input_branch_len=max(c.input_branch_len for c in cfgs),
-                            input_max_nodes=max(c.input_max_nodes for c in cfgs),
-                            copy_max_branch_len=max(c.copy_max_branch_len for c in cfgs),
-                            copy_max_tokens=max(c.copy_max_tokens for c in cfgs))
+    return cfgs[-1].replace(
+        use_datastore=any(c.use_datastore for c in cfgs),
+        use_input=any(c.use_input for c in cfgs),
+        input_max_match=max(c.input_max_match for c in cfgs),
+        input_branch_len=max(c.input_branch_len for c in cfgs),
+        input_max_nodes=max(c.input_max_nodes for c in cfgs),
+        copy_max_branch_len=max(c.copy_max_branch_len for c in cfgs),
+        copy_max_tokens=max(c.copy_max_tokens for c in cfgs),
+    )
 
 
 def load_drafter(drafter: Any) -> DrafterConfig | CalibrationFile:
@@ -277,6 +292,7 @@ def load_drafter(drafter: Any) -> DrafterConfig | CalibrationFile:
 
 
 # -- identities ----------------------------------------------------------------------
+
 
 def datastore_identity(datastore: Any) -> tuple[str | None, str | None]:
     """(content fingerprint, tokenizer sha256) of a Datastore, a datastore directory or archive,
@@ -357,17 +373,25 @@ def _source_discounts(raw: Any, where: str) -> dict[str, SourceDiscount]:
     for key, entry in raw.items():
         d = entry.get("discount") if isinstance(entry, dict) else None
         if not isinstance(d, dict):
-            raise ValueError(f"{where}: malformed calibration file (source {key!r}: no \"discount\" object)")
+            raise ValueError(f'{where}: malformed calibration file (source {key!r}: no "discount" object)')
         try:
             disc = SourceDiscount(**d)
         except TypeError as e:
             raise ValueError(f"{where}: malformed calibration file (source {key!r}: {e})") from None
         numbers = (disc.scale, disc.depth_decay, disc.match_damping)
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-               for v in numbers) or isinstance(disc.full_match, bool) or not isinstance(disc.full_match, int) \
-                or disc.full_match < 0:
-            raise ValueError(f"{where}: malformed calibration file (source {key!r}: discount {d!r} is not "
-                             f"positive finite factors and a match length >= 0)")
+        if (
+            any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+                for v in numbers
+            )
+            or isinstance(disc.full_match, bool)
+            or not isinstance(disc.full_match, int)
+            or disc.full_match < 0
+        ):
+            raise ValueError(
+                f"{where}: malformed calibration file (source {key!r}: discount {d!r} is not "
+                f"positive finite factors and a match length >= 0)"
+            )
         out[str(key)] = disc
     return out
 
@@ -376,7 +400,7 @@ def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> t
     """One budget's DrafterConfig (curves attached if calibrated) and its MAT, or ValueError."""
     bad = f"{where}: malformed calibration file (budget {budget}"
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
-        raise ValueError(f"{bad}: an entry is an object with a \"config\" object)")
+        raise ValueError(f'{bad}: an entry is an object with a "config" object)')
     try:
         cfg = DrafterConfig.from_dict(entry["config"]).replace(budget=budget)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -389,8 +413,9 @@ def _entry(entry: Any, budget: int, curves: Calibration | None, where: str) -> t
             raise ValueError(f"{where}: budget {budget} is marked calibrated but the file holds no curves")
         cfg = cfg.replace(discounts=dataclasses.replace(cfg.discounts, calibration=curves))
     mat = entry.get("mat")
-    if mat is not None and (isinstance(mat, bool) or not isinstance(mat, (int, float)) or not math.isfinite(mat)
-                            or mat < 1):
+    if mat is not None and (
+        isinstance(mat, bool) or not isinstance(mat, (int, float)) or not math.isfinite(mat) or mat < 1
+    ):
         raise ValueError(f"{bad}: mat is {mat!r}, not a number >= 1)")
     return cfg, None if mat is None else float(mat)
 
@@ -404,5 +429,14 @@ def _config_for_budget(d: dict[str, Any], where: str, budget: int | None) -> Dra
 register_config_format(CALIBRATION_FORMAT, _config_for_budget)
 
 
-__all__ = ["CalibrationFile", "Fingerprint", "datastore_identity", "drafter_config_for", "entries_of", "load_drafter",
-           "model_fingerprint", "select_entry", "source_discount"]
+__all__ = [
+    "CalibrationFile",
+    "Fingerprint",
+    "datastore_identity",
+    "drafter_config_for",
+    "entries_of",
+    "load_drafter",
+    "model_fingerprint",
+    "select_entry",
+    "source_discount",
+]

@@ -43,8 +43,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if "%(default)" in text or "(default" in text or "default:" in text:
             return text
         default = action.default
-        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool) or action.nargs == 0
-                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+        if (
+            default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or action.nargs == 0
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        ):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
@@ -128,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, _EXPECTED):
             print(where + _message(e), file=sys.stderr)
         else:  # a bug: still one line, and how to see more
-            print(f"{where}internal error: {type(e).__name__}: {_message(e)} (rerun with --debug for the traceback)",
-                  file=sys.stderr)
+            print(
+                f"{where}internal error: {type(e).__name__}: {_message(e)} (rerun with --debug for the traceback)",
+                file=sys.stderr,
+            )
         return 1
 
 

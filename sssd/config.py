@@ -62,8 +62,9 @@ class SourceDiscount:
     def factors(self, max_match: int, max_depth: int) -> np.ndarray:
         """factor(m, d) for every match length 0..max_match (rows) and depth 1..max_depth (columns)."""
         shortfall = np.maximum(0, self.full_match - np.arange(max_match + 1, dtype=np.float64))
-        return self.scale * np.outer(self.match_damping**shortfall,
-                                     self.depth_decay ** np.arange(max_depth, dtype=np.float64))
+        return self.scale * np.outer(
+            self.match_damping**shortfall, self.depth_decay ** np.arange(max_depth, dtype=np.float64)
+        )
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,21 @@ class Calibration:
         return i
 
     def to_dict(self) -> dict[str, Any]:
-        return {"match_bins": list(self.match_bins), "depth_bins": list(self.depth_bins),
-                "curves": [[s, m, d, list(x), list(y)] for s, m, d, x, y in self.curves]}
+        return {
+            "match_bins": list(self.match_bins),
+            "depth_bins": list(self.depth_bins),
+            "curves": [[s, m, d, list(x), list(y)] for s, m, d, x, y in self.curves],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        return cls(tuple(d["match_bins"]), tuple(d["depth_bins"]),
-                   tuple((int(s), int(m), int(dd), tuple(map(float, x)), tuple(map(float, y))) for s, m, dd, x, y in d["curves"]))
+        return cls(
+            tuple(d["match_bins"]),
+            tuple(d["depth_bins"]),
+            tuple(
+                (int(s), int(m), int(dd), tuple(map(float, x)), tuple(map(float, y))) for s, m, dd, x, y in d["curves"]
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -116,8 +125,9 @@ class DiscountParams:
     #: Calibration curves (from ``sssd calibrate``); when set they replace the discounts.
     calibration: Calibration | None = None
 
-    def score_table(self, max_match: int, max_depth: int,
-                    external: tuple[SourceDiscount, ...] | None = None) -> _core.ScoreTable:
+    def score_table(
+        self, max_match: int, max_depth: int, external: tuple[SourceDiscount, ...] | None = None
+    ) -> _core.ScoreTable:
         """The dense (source, match length, depth) table the C++ merge reads.
 
         Args:
@@ -268,8 +278,9 @@ class DrafterConfig:
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
 
-    def native_params(self, vocab_size: int | None = None,
-                      external: tuple[SourceDiscount, ...] | None = None) -> _core.DrafterParams:
+    def native_params(
+        self, vocab_size: int | None = None, external: tuple[SourceDiscount, ...] | None = None
+    ) -> _core.DrafterParams:
         """The C++ parameter object (vocab_size fills in a missing one; `external`: the
         discounts of the caller's draft sources, tagged 2, 3, ...)."""
         q = _core.DatastoreQuery()
@@ -351,7 +362,9 @@ class DrafterConfig:
         return cfg if budget is None else cfg.replace(budget=budget)
 
     @classmethod
-    def from_calibration(cls, d: dict[str, Any], budget: int | None = None, where: str = "calibration") -> DrafterConfig:
+    def from_calibration(
+        cls, d: dict[str, Any], budget: int | None = None, where: str = "calibration"
+    ) -> DrafterConfig:
         """The configuration a calibration parameter file gives for ``budget`` (ValueError if malformed;
         sssd.calibration_file reads it)."""
         return _CONFIG_FORMATS[CALIBRATION_FORMAT](d, where, budget)

@@ -54,8 +54,10 @@ def built_default_path() -> Path:
     """
     path = default_datastore_path()
     if not (path / MANIFEST).exists():
-        raise FileNotFoundError(f"the default datastore is not built yet (looked in {path}); build it with "
-                                "`sssd build --default`, or point SSSD_DATASTORE at a datastore directory")
+        raise FileNotFoundError(
+            f"the default datastore is not built yet (looked in {path}); build it with "
+            "`sssd build --default`, or point SSSD_DATASTORE at a datastore directory"
+        )
     return path
 
 
@@ -177,7 +179,10 @@ class Datastore:
                 "index_bytes": 4 if arr.size < (1 << 32) - 2 else 8,
                 "created_unix": int(time.time()),
                 "build_seconds": round(time.perf_counter() - t0, 3),
-                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)} for name in DATA_FILES},
+                "files": {
+                    name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
+                    for name in DATA_FILES
+                },
             }
             manifest.update(metadata or {})
             write_manifest(tmp, manifest)
@@ -339,4 +344,3 @@ def _stream(tokens: Any) -> np.ndarray:
         bad = int(np.argmax((arr < 0) | (arr > SEPARATOR)))
         raise ValueError(f"tokens[{bad}] = {int(arr[bad])} is outside [0, {SEPARATOR}]")
     return np.ascontiguousarray(arr, dtype=np.uint32)
-

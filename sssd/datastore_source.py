@@ -61,8 +61,14 @@ class DatastoreSource(DraftSource):
         damping: (match_damping, full_match) applied to the weights.
     """
 
-    def __init__(self, datastore: Any, config: DrafterConfig | None = None, *, name: str | None = None,
-                 discount: SourceDiscount | None = None):
+    def __init__(
+        self,
+        datastore: Any,
+        config: DrafterConfig | None = None,
+        *,
+        name: str | None = None,
+        discount: SourceDiscount | None = None,
+    ):
         ds = resolve_datastore(datastore)
         if ds is None:
             raise ValueError("a DatastoreSource needs a datastore, got None")
@@ -80,8 +86,12 @@ class DatastoreSource(DraftSource):
 
     def info(self) -> dict:
         """What an admin listing shows: name, path, tokens and documents."""
-        return {"name": self.name, "path": None if self.path is None else str(self.path),
-                "tokens": self.datastore.size, "docs": self.datastore.num_docs}
+        return {
+            "name": self.name,
+            "path": None if self.path is None else str(self.path),
+            "tokens": self.datastore.size,
+            "docs": self.datastore.num_docs,
+        }
 
     # -- following requests ----------------------------------------------------------------
     def open(self, request_id: int, prompt: np.ndarray) -> None:
@@ -129,8 +139,14 @@ class SourceConflict(ValueError):
     retrieval's own datastore asked to go, or an engine that does not draft."""
 
 
-def add_datastore(pipeline: Any, datastore: Any, *, name: str | None = None, default_name: Any = None,
-                  discount: SourceDiscount | None = None) -> DatastoreSource:
+def add_datastore(
+    pipeline: Any,
+    datastore: Any,
+    *,
+    name: str | None = None,
+    default_name: Any = None,
+    discount: SourceDiscount | None = None,
+) -> DatastoreSource:
     """Adds `datastore` to a pipeline (sssd.sources.DraftPipeline) as a source of its own, opened
     for every running request. Between steps only (the engine's lock).
 
@@ -152,8 +168,10 @@ def add_datastore(pipeline: Any, datastore: Any, *, name: str | None = None, def
     else:
         name = unique_name(source_name(datastore if default_name is None else default_name), taken)
     if len(pipeline.external) >= MAX_EXTERNAL:
-        raise SourceConflict(f"this engine merges {MAX_EXTERNAL} draft sources besides retrieval already "
-                             f"(the most it can); remove one first")
+        raise SourceConflict(
+            f"this engine merges {MAX_EXTERNAL} draft sources besides retrieval already "
+            f"(the most it can); remove one first"
+        )
     source = DatastoreSource(datastore, pipeline.config, name=name, discount=discount)
     pipeline.add_source(source)
     return source
@@ -165,14 +183,27 @@ def list_datastores(pipeline: Any) -> list[dict]:
     out = []
     ds = getattr(pipeline, "datastore", None)
     if ds is not None:
-        out.append({"name": "datastore", "path": None if ds.path is None else str(ds.path), "tokens": ds.size,
-                    "docs": ds.num_docs, "primary": True})
+        out.append(
+            {
+                "name": "datastore",
+                "path": None if ds.path is None else str(ds.path),
+                "tokens": ds.size,
+                "docs": ds.num_docs,
+                "primary": True,
+            }
+        )
     out += [dict(s.info(), primary=False) for s in pipeline.external if isinstance(s, DatastoreSource)]
     return out
 
 
-def conditional_weights(offsets: np.ndarray, parents: np.ndarray, probs: np.ndarray, match_lens: np.ndarray | None,
-                        match_damping: float = 1.0, full_match: int = 0) -> np.ndarray:
+def conditional_weights(
+    offsets: np.ndarray,
+    parents: np.ndarray,
+    probs: np.ndarray,
+    match_lens: np.ndarray | None,
+    match_damping: float = 1.0,
+    full_match: int = 0,
+) -> np.ndarray:
     """Each node's weight given its parent, for a CSR batch of trees (float32 in [0, 1]).
 
     A node's path weight is its path probability times match_damping ** (full_match -
@@ -216,8 +247,9 @@ def source_name(datastore: Any) -> str:
 def check_name(name: str) -> str:
     """`name` if it can name a source: letters, digits, '.', '_', '-' (1-64, a letter or digit first)."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"a datastore name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                         f"or digit; got {name!r}")
+        raise ValueError(
+            f"a datastore name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit; got {name!r}"
+        )
     if name in RESERVED_NAMES:
         raise ValueError(f"the name {name!r} is reserved (it names one of retrieval's sources)")
     return name
@@ -234,5 +266,13 @@ def unique_name(base: str, taken: Iterable[str]) -> str:
     return f"{base[:60]}-{k}"
 
 
-__all__ = ["DatastoreSource", "SourceConflict", "add_datastore", "check_name", "conditional_weights", "list_datastores",
-           "source_name", "unique_name"]
+__all__ = [
+    "DatastoreSource",
+    "SourceConflict",
+    "add_datastore",
+    "check_name",
+    "conditional_weights",
+    "list_datastores",
+    "source_name",
+    "unique_name",
+]

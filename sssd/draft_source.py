@@ -103,8 +103,10 @@ class DraftDistributions:
         draws = np.asarray(self.draws)
         m = parents.shape[0] if parents.ndim == 1 else -1
         if m < 0 or q.ndim != 2 or q.shape[0] != m or draws.ndim != 2 or draws.shape[0] != m:
-            raise ValueError(f"dists: parents [m], q [m, V] and draws [m, k] expected, got {parents.shape}, "
-                             f"{q.shape} and {draws.shape}")
+            raise ValueError(
+                f"dists: parents [m], q [m, V] and draws [m, k] expected, got {parents.shape}, "
+                f"{q.shape} and {draws.shape}"
+            )
         if m and ((parents < -1).any() or (parents >= n).any()):
             raise ValueError(f"dists: parents must be -1 or a candidate index below {n}")
         if vocab_size is not None and q.shape[1] != vocab_size:
@@ -304,12 +306,22 @@ def parse_specs(draft: Sequence[str | DraftSource] | str | None) -> list:
     if isinstance(draft, str):
         draft = [s for s in draft.split(",") if s.strip()] if draft.strip() else []
     out = [parse_spec(s) for s in draft]
-    names = [("retrieval" if isinstance(s, (tuple,)) and s[0] == "retrieval" or isinstance(s, RetrievalSource)
-              else None) for s in out]
+    names = [
+        ("retrieval" if isinstance(s, (tuple,)) and s[0] == "retrieval" or isinstance(s, RetrievalSource) else None)
+        for s in out
+    ]
     if names.count("retrieval") > 1:
         raise ValueError("retrieval is listed twice")
     return out
 
 
-__all__ = ["Candidates", "DraftDistributions", "DraftRequest", "DraftSource", "RetrievalSource", "SPEC_KINDS",
-           "parse_spec", "parse_specs"]
+__all__ = [
+    "Candidates",
+    "DraftDistributions",
+    "DraftRequest",
+    "DraftSource",
+    "RetrievalSource",
+    "SPEC_KINDS",
+    "parse_spec",
+    "parse_specs",
+]

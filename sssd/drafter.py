@@ -44,6 +44,7 @@ def resolve_datastore(datastore: Datastore | str | Path | None) -> Datastore | N
 # Request ids are the integers in [0, 2^64) everywhere: scalars and arrays,
 # here and in sssd._core (which checks the ranges).
 
+
 def _request_ids(ids: Any) -> np.ndarray:
     """Request ids as a 1-D integer array (ranges are checked in C++)."""
     arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
@@ -90,13 +91,24 @@ class Drafter:
         **overrides: DrafterConfig fields replacing those of ``config``.
     """
 
-    def __init__(self, datastore: Datastore | str | Path | None = DEFAULT, config: DrafterConfig | None = None,
-                 *, tokenizer: Any = None, external_sources: Sequence[Any] = (), **overrides: Any):
+    def __init__(
+        self,
+        datastore: Datastore | str | Path | None = DEFAULT,
+        config: DrafterConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        external_sources: Sequence[Any] = (),
+        **overrides: Any,
+    ):
         self.config = (config or DrafterConfig()).replace(**overrides) if overrides else (config or DrafterConfig())
         self.datastore = resolve_datastore(datastore) if self.config.use_datastore else None
         if tokenizer is not None and self.datastore is not None:
             check_compatible(self.datastore, tokenizer)
-        vocab = self.datastore.vocab_size if self.datastore is not None and self.datastore.manifest.get("tokenizer") else None
+        vocab = (
+            self.datastore.vocab_size
+            if self.datastore is not None and self.datastore.manifest.get("tokenizer")
+            else None
+        )
         self._vocab, self._external = vocab, tuple(external_sources) or None
         params = self.config.native_params(vocab, self._external)
         self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
@@ -144,7 +156,11 @@ class Drafter:
             self.close(request_id)
 
     def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, (int, np.integer)) and 0 <= int(request_id) < 2**64 and int(request_id) in self._native
+        return (
+            isinstance(request_id, (int, np.integer))
+            and 0 <= int(request_id) < 2**64
+            and int(request_id) in self._native
+        )
 
     def __len__(self) -> int:
         return len(self._native)
@@ -175,8 +191,13 @@ class Drafter:
                 self._params[config] = params
         return params
 
-    def draft(self, request_ids: Sequence[int] | np.ndarray, budgets: int | Sequence[int] | np.ndarray | None = None,
-              external: DraftBatch | dict | None = None, config: DrafterConfig | None = None) -> DraftBatch:
+    def draft(
+        self,
+        request_ids: Sequence[int] | np.ndarray,
+        budgets: int | Sequence[int] | np.ndarray | None = None,
+        external: DraftBatch | dict | None = None,
+        config: DrafterConfig | None = None,
+    ) -> DraftBatch:
         """Drafts one tree per request, in one parallel call.
 
         Args:
@@ -205,7 +226,7 @@ class Drafter:
         if budgets is None:
             budgets = self.config.budget
         if isinstance(budgets, (int, np.integer)) and not isinstance(budgets, bool):
-            b = np.full(ids.shape[0], budgets, dtype=np.int32) if -2**31 <= budgets < 2**31 else np.array([budgets])
+            b = np.full(ids.shape[0], budgets, dtype=np.int32) if -(2**31) <= budgets < 2**31 else np.array([budgets])
         else:
             b = np.asarray(budgets)
             if b.dtype.kind not in "iu":
@@ -213,17 +234,21 @@ class Drafter:
         if b.shape != ids.shape:
             raise ValueError(f"got {ids.shape[0]} request ids but {b.shape[0] if b.ndim else 1} budgets")
         if b.dtype != np.int32:
-            if b.size and (int(b.min()) < -2**31 or int(b.max()) >= 2**31):
+            if b.size and (int(b.min()) < -(2**31) or int(b.max()) >= 2**31):
                 raise ValueError(f"budgets must be in [0, {int(_core.MAX_BUDGET)}]")
             b = b.astype(np.int32)
         ext = None
         if isinstance(external, dict):
             if len(external["offsets"]) != ids.shape[0] + 1:
-                raise ValueError(f"external drafts cover {len(external['offsets']) - 1} requests, expected {ids.shape[0]}")
-            ext = {"offsets": np.ascontiguousarray(external["offsets"], dtype=np.int64),
-                   "tokens": as_tokens(external["tokens"], "external tokens"),
-                   "parents": np.ascontiguousarray(external["parents"], dtype=np.int32),
-                   "weights": np.ascontiguousarray(external["weights"], dtype=np.float32)}
+                raise ValueError(
+                    f"external drafts cover {len(external['offsets']) - 1} requests, expected {ids.shape[0]}"
+                )
+            ext = {
+                "offsets": np.ascontiguousarray(external["offsets"], dtype=np.int64),
+                "tokens": as_tokens(external["tokens"], "external tokens"),
+                "parents": np.ascontiguousarray(external["parents"], dtype=np.int32),
+                "weights": np.ascontiguousarray(external["weights"], dtype=np.float32),
+            }
             for key, dt in (("q", np.float32), ("sources", np.uint8)):
                 if external.get(key) is not None:
                     ext[key] = np.ascontiguousarray(external[key], dtype=dt)
@@ -244,7 +269,9 @@ class Drafter:
         budget = self.config.budget if budget is None else budget
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
             raise TypeError(f"budget must be an int, got {type(budget).__name__}")
-        batch = DraftBatch.from_native(self._native.draft_context(as_tokens(prefix, "prefix", allow_empty=False), int(budget)))
+        batch = DraftBatch.from_native(
+            self._native.draft_context(as_tokens(prefix, "prefix", allow_empty=False), int(budget))
+        )
         return batch[0]
 
     def __repr__(self) -> str:
@@ -255,8 +282,15 @@ _cache_lock = threading.Lock()
 _cached: dict[tuple, Drafter] = {}
 
 
-def draft(prefix: Any, budget: int | None = None, *, datastore: Datastore | str | Path | None = DEFAULT,
-          config: DrafterConfig | None = None, tokenizer: Any = None, **overrides: Any) -> DraftTree:
+def draft(
+    prefix: Any,
+    budget: int | None = None,
+    *,
+    datastore: Datastore | str | Path | None = DEFAULT,
+    config: DrafterConfig | None = None,
+    tokenizer: Any = None,
+    **overrides: Any,
+) -> DraftTree:
     """Drafts a token tree continuing ``prefix`` (the library call ``sssd.draft``).
 
     Sources: the datastore (default: the default datastore) and the prefix
@@ -311,8 +345,10 @@ def _tokenizer_of(drafter: Drafter, spec: Any = None):
         return load_tokenizer(spec)
     ds = drafter.datastore
     if ds is None or not (ds.manifest.get("tokenizer") or {}):
-        raise ValueError("a text prefix needs a tokenizer: this datastore records none (or there is no datastore); "
-                         "pass token ids, or tokenizer=... (a tokenizer.json, model folder or .gguf file)")
+        raise ValueError(
+            "a text prefix needs a tokenizer: this datastore records none (or there is no datastore); "
+            "pass token ids, or tokenizer=... (a tokenizer.json, model folder or .gguf file)"
+        )
     key = (str(ds.path), (ds.manifest.get("tokenizer") or {}).get("sha256"))
     with _cache_lock:
         tok = _tokenizers.get(key)
@@ -325,8 +361,10 @@ def _tokenizer_of(drafter: Drafter, spec: Any = None):
 
 # -- drafting with a calibration file's entries ----------------------------------------
 
-def draft_with_entries(drafter: Drafter, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray,
-                       external: Any = None) -> DraftBatch:
+
+def draft_with_entries(
+    drafter: Drafter, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray, external: Any = None
+) -> DraftBatch:
     """One DraftBatch for a batch, each request drafted with the entry of its budget (the largest
     entry budget <= it, the smallest below them all: sssd.calibration_file.select_entry).
 
@@ -345,8 +383,10 @@ def draft_with_entries(drafter: Drafter, entries: dict[int, DrafterConfig], ids:
     if len(groups) <= 1:
         g = int(groups[0]) if len(groups) else len(keys) - 1
         return drafter.draft(ids, budgets, external, config=entries[keys[g]])
-    parts = [drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
-             for g in groups]
+    parts = [
+        drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
+        for g in groups
+    ]
     return _merge_batches(parts)
 
 

@@ -41,8 +41,14 @@ class NotRegularFileError(OSError):
 
 def describe_mode(mode: int) -> str:
     """What a stat mode is, as a noun phrase ("a FIFO", "a directory", ...)."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -151,8 +157,12 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` is a plain file name: a non-empty string with no directory part
     (no "/" or "\\"), not "." or "..", no NUL or other control character."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
-            and all(ord(c) >= 32 and c != "\x7f" for c in name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\")
+        and all(ord(c) >= 32 and c != "\x7f" for c in name)
+    )
 
 
 def file_inside(folder: str | Path, name: object, what: str = "file") -> Path:
@@ -172,11 +182,14 @@ def file_inside(folder: str | Path, name: object, what: str = "file") -> Path:
             raise ValueError(f"{path}: {what} is a broken symbolic link") from None
         root = Path(folder).resolve()
         if root not in target.parents:
-            raise ValueError(f"{path}: {what} is a symbolic link to {target}, outside the folder; refusing to follow it")
+            raise ValueError(
+                f"{path}: {what} is a symbolic link to {target}, outside the folder; refusing to follow it"
+            )
     return path
 
 
 # -- atomic writes ---------------------------------------------------------------------
+
 
 @contextmanager
 def atomic_directory(target: str | Path, *, replace: bool, tag: str = "tmp") -> Iterator[Path]:

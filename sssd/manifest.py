@@ -106,28 +106,36 @@ def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
     files = manifest.get("files")
     if files is not None:
         if not isinstance(files, dict):
-            raise DatastoreError(f"{where}: \"files\" is a {type(files).__name__}, not an object")
+            raise DatastoreError(f'{where}: "files" is a {type(files).__name__}, not an object')
         for name, info in files.items():
             if not is_plain_name(name) or name == MANIFEST:
-                raise DatastoreError(f"{where}: file entry {name!r} is not a plain file name inside the datastore "
-                                     "folder; refusing to use it")
+                raise DatastoreError(
+                    f"{where}: file entry {name!r} is not a plain file name inside the datastore "
+                    "folder; refusing to use it"
+                )
             if not isinstance(info, dict):
                 raise DatastoreError(f"{where}: file entry {name!r} is a {type(info).__name__}, not an object")
             if "bytes" in info and not (_is_int(info["bytes"]) and info["bytes"] >= 0):
-                raise DatastoreError(f"{where}: file entry {name!r} has bytes {info['bytes']!r}, not a non-negative integer")
+                raise DatastoreError(
+                    f"{where}: file entry {name!r} has bytes {info['bytes']!r}, not a non-negative integer"
+                )
             if "sha256" in info and not _is_sha256(info["sha256"]):
                 raise DatastoreError(f"{where}: file entry {name!r} has sha256 {info['sha256']!r}, not 64 hex digits")
     hold = manifest.get("holdout")
     if hold is not None and not (isinstance(hold, dict) and (hold.get("file") is None or is_plain_name(hold["file"]))):
-        raise DatastoreError(f"{where}: holdout file {hold.get('file') if isinstance(hold, dict) else hold!r} is not a "
-                             "plain file name inside the datastore folder; refusing to use it")
+        raise DatastoreError(
+            f"{where}: holdout file {hold.get('file') if isinstance(hold, dict) else hold!r} is not a "
+            "plain file name inside the datastore folder; refusing to use it"
+        )
     tok = manifest.get("tokenizer")
     if tok is not None:
         if not isinstance(tok, dict):
-            raise DatastoreError(f"{where}: \"tokenizer\" is a {type(tok).__name__}, not an object")
+            raise DatastoreError(f'{where}: "tokenizer" is a {type(tok).__name__}, not an object')
         if tok.get("file") is not None and not is_plain_name(tok["file"]):
-            raise DatastoreError(f"{where}: tokenizer file {tok['file']!r} is not a plain file name inside the "
-                                 "datastore folder; refusing to use it")
+            raise DatastoreError(
+                f"{where}: tokenizer file {tok['file']!r} is not a plain file name inside the "
+                "datastore folder; refusing to use it"
+            )
         for key in ("path", "name"):
             if tok.get(key) is not None and not isinstance(tok[key], str):
                 raise DatastoreError(f"{where}: tokenizer {key} is {tok[key]!r}, not a string")
@@ -164,8 +172,10 @@ def tokenizer_file(folder: Path, manifest: dict[str, Any]) -> Path | None:
         path = file_inside(folder, name, "tokenizer file")
         check_regular(path)
     except FileNotFoundError:
-        raise DatastoreError(f"{folder}: the tokenizer file {name!r} its manifest records is missing "
-                             "(run `sssd verify`; rebuild or re-copy the datastore)") from None
+        raise DatastoreError(
+            f"{folder}: the tokenizer file {name!r} its manifest records is missing "
+            "(run `sssd verify`; rebuild or re-copy the datastore)"
+        ) from None
     except (ValueError, OSError) as e:
         raise DatastoreError(str(e)) from None
     return path
@@ -174,9 +184,13 @@ def tokenizer_file(folder: Path, manifest: dict[str, Any]) -> Path | None:
 def tokenizer_mismatch(recorded: dict[str, Any], tok: Any) -> str | None:
     """Why a loaded tokenizer is not the one a manifest's "tokenizer" entry records, or None."""
     if recorded.get("sha256") and recorded["sha256"] != tok.sha256:
-        return (f"the tokenizer file {tok.path} (sha256 {tok.sha256[:12]}, vocab {tok.vocab_size}) is not the tokenizer "
-                f"the manifest records (sha256 {recorded['sha256'][:12]}, vocab {recorded.get('vocab_size')})")
+        return (
+            f"the tokenizer file {tok.path} (sha256 {tok.sha256[:12]}, vocab {tok.vocab_size}) is not the tokenizer "
+            f"the manifest records (sha256 {recorded['sha256'][:12]}, vocab {recorded.get('vocab_size')})"
+        )
     if recorded.get("vocab_size") is not None and recorded["vocab_size"] != tok.vocab_size:
-        return (f"the tokenizer file {tok.path} has {tok.vocab_size} ids, the manifest records vocab_size "
-                f"{recorded['vocab_size']}")
+        return (
+            f"the tokenizer file {tok.path} has {tok.vocab_size} ids, the manifest records vocab_size "
+            f"{recorded['vocab_size']}"
+        )
     return None

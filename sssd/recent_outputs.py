@@ -74,9 +74,17 @@ class RecentOutputs(DraftSource):
     name = "recent"
     discount = SourceDiscount(scale=1.0, depth_decay=0.95)
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_match: int = MAX_MATCH, min_match: int = MIN_MATCH,
-                 max_matches: int = MAX_MATCHES, depth: int = DEPTH, max_chain: int = MAX_CHAIN,
-                 discount: SourceDiscount | None = None, depth_per_match: float = DEPTH_PER_MATCH):
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        max_match: int = MAX_MATCH,
+        min_match: int = MIN_MATCH,
+        max_matches: int = MAX_MATCHES,
+        depth: int = DEPTH,
+        max_chain: int = MAX_CHAIN,
+        discount: SourceDiscount | None = None,
+        depth_per_match: float = DEPTH_PER_MATCH,
+    ):
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2 tokens, got {capacity}")
         if not 2 <= min_match <= max_match:
@@ -96,13 +104,13 @@ class RecentOutputs(DraftSource):
         # Positions are absolute write counts; links hold position + 1 (0: none). np.zeros maps
         # pages lazily, so a store costs memory as it fills.
         self.tokens = np.zeros(n, dtype=np.int64)
-        self.owner = np.zeros(n, dtype=np.int64)     # request id that wrote each position
-        self.prev = np.zeros(n, dtype=np.int64)      # the same request's previous token
-        self.next = np.zeros(n, dtype=np.int64)      # the same request's next token
-        self.chain = np.zeros(n, dtype=np.int64)     # the previous position in the same bucket
+        self.owner = np.zeros(n, dtype=np.int64)  # request id that wrote each position
+        self.prev = np.zeros(n, dtype=np.int64)  # the same request's previous token
+        self.next = np.zeros(n, dtype=np.int64)  # the same request's next token
+        self.chain = np.zeros(n, dtype=np.int64)  # the previous position in the same bucket
         self.head = np.zeros(self._buckets, dtype=np.int64)
         self.written = 0
-        self._last: dict[int, int] = {}              # request id -> its last position + 1
+        self._last: dict[int, int] = {}  # request id -> its last position + 1
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -114,7 +122,7 @@ class RecentOutputs(DraftSource):
         """Stores the prompt's last `max_match` tokens: the context its output will follow."""
         with self._lock:
             self._last.pop(int(request_id), None)
-            self._append(int(request_id), np.asarray(prompt, dtype=np.int64)[-self.max_match:])
+            self._append(int(request_id), np.asarray(prompt, dtype=np.int64)[-self.max_match :])
 
     def extend(self, request_id: int, tokens: np.ndarray) -> None:
         with self._lock:
@@ -156,7 +164,7 @@ class RecentOutputs(DraftSource):
         if not R:
             return []
         K = self.max_match
-        query = np.full((R, K), -1, dtype=np.int64)   # query[r, j]: the token j places before the last
+        query = np.full((R, K), -1, dtype=np.int64)  # query[r, j]: the token j places before the last
         for r, req in enumerate(requests):
             tail = np.asarray(req.tokens[-K:], dtype=np.int64)[::-1]
             query[r, : tail.shape[0]] = tail
@@ -194,7 +202,7 @@ class RecentOutputs(DraftSource):
             cur = np.where(live, self.chain[(cur - 1) % n], 0)
         if not cands:
             return None
-        start = np.stack(cands, axis=1)                                  # [R, C] position + 1
+        start = np.stack(cands, axis=1)  # [R, C] position + 1
         slot = (start - 1) % n
         eligible = (start > 0) & (self.owner[slot] != ids[:, None]) & (self.next[slot] > 0)
         length = np.zeros(start.shape, dtype=np.int64)
@@ -243,15 +251,16 @@ def _tries(rows: np.ndarray, paths: np.ndarray, lengths: np.ndarray, R: int, max
     best = np.zeros(R, dtype=np.int64)
     best[rows] = lengths
     damping = MATCH_DAMPING ** np.maximum(0, max_match - best)
-    parent_of = rows.copy()          # per occurrence: its node at the previous depth (depth 0: its request)
+    parent_of = rows.copy()  # per occurrence: its node at the previous depth (depth 0: its request)
     alive = np.ones(M, dtype=bool)
     base, prev_base, parent_req, parent_count = 0, 0, None, None
     for d in range(D):
         alive &= paths[:, d] >= 0
         if not alive.any():
             break
-        keys, inverse, counts = np.unique(parent_of[alive] * big + paths[alive, d], return_inverse=True,
-                                          return_counts=True)
+        keys, inverse, counts = np.unique(
+            parent_of[alive] * big + paths[alive, d], return_inverse=True, return_counts=True
+        )
         up = keys // big
         if d == 0:
             req, weight, parent = up, counts / total[up] * damping[up], np.full(keys.shape, -1)
@@ -268,7 +277,7 @@ def _tries(rows: np.ndarray, paths: np.ndarray, lengths: np.ndarray, R: int, max
     if not node_req:
         return [None] * R
     req, parent, token, weight = (np.concatenate(x) for x in (node_req, node_parent, node_token, node_weight))
-    order = np.argsort(req, kind="stable")   # node ids grow with depth: parents stay ahead of children
+    order = np.argsort(req, kind="stable")  # node ids grow with depth: parents stay ahead of children
     local = np.empty_like(order)
     counts = np.bincount(req, minlength=R)
     firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -280,8 +289,13 @@ def _tries(rows: np.ndarray, paths: np.ndarray, lengths: np.ndarray, R: int, max
             out.append(None)
             continue
         par = parent[ids]
-        out.append(Candidates(token[ids], np.where(par >= 0, local[np.maximum(par, 0)], -1),
-                              weights=np.clip(weight[ids], 0.0, 1.0).astype(np.float32)))
+        out.append(
+            Candidates(
+                token[ids],
+                np.where(par >= 0, local[np.maximum(par, 0)], -1),
+                weights=np.clip(weight[ids], 0.0, 1.0).astype(np.float32),
+            )
+        )
     return out
 
 

@@ -184,8 +184,10 @@ class DraftPipeline:
         i = next((k for k, s in enumerate(self.external) if s.name == name), None)
         if i is None:
             if name in ("datastore", "input", "retrieval"):
-                raise ValueError(f"{name!r} is retrieval's own source (the primary datastore and the requests' "
-                                 f"tokens); it cannot be removed")
+                raise ValueError(
+                    f"{name!r} is retrieval's own source (the primary datastore and the requests' "
+                    f"tokens); it cannot be removed"
+                )
             raise KeyError(name)
         for rid in self.drafter.request_ids():
             if (i, rid) not in self._failed:
@@ -200,8 +202,12 @@ class DraftPipeline:
         return source
 
     def _sources_changed(self) -> None:
-        self.source_names = {0: "datastore", 1: "input", **{2 + i: s.name for i, s in enumerate(self.external)},
-                             SOURCE_COPY: "copy"}
+        self.source_names = {
+            0: "datastore",
+            1: "input",
+            **{2 + i: s.name for i, s in enumerate(self.external)},
+            SOURCE_COPY: "copy",
+        }
         self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
 
     def _fit_merge(self, sources: Sequence[DraftSource]) -> None:
@@ -237,8 +243,12 @@ class DraftPipeline:
         try:
             fn(request_id, *args)
         except Exception as e:  # noqa: BLE001 - a source's failure costs its own drafts only
-            log.warning("draft source %r failed for request %s (%s); it skips that request from now on",
-                        self.external[i].name, request_id, e)
+            log.warning(
+                "draft source %r failed for request %s (%s); it skips that request from now on",
+                self.external[i].name,
+                request_id,
+                e,
+            )
             self._failed.add((i, request_id))
 
     def draft(self, requests: Sequence[DraftRequest]):
@@ -255,8 +265,9 @@ class DraftPipeline:
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
         return draft_with_entries(self.drafter, self.entries, ids, budgets, None)
 
-    def draft_with_proposals(self, requests: Sequence[DraftRequest],
-                             verified_next: bool = True) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
+    def draft_with_proposals(
+        self, requests: Sequence[DraftRequest], verified_next: bool = True
+    ) -> tuple[Any, list[list[tuple[int, Candidates]]]]:
         """The merged DraftBatch, and per request every external source's checked proposal
         (source tag, Candidates) as it was before the merge: sampled verification needs the
         draft distributions and draws of randomly drawn candidates (Candidates.dists).
@@ -268,7 +279,7 @@ class DraftPipeline:
         external = None
         per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
         alone = promised = None  # retrieval's own trees, and what each promises (for deferring sources)
-        source_seconds = 0.0     # the deferring sources' drafting time
+        source_seconds = 0.0  # the deferring sources' drafting time
         if self.retrieval and any(s.defers_to_retrieval for s in self.external):
             alone = draft_with_entries(self.drafter, self.entries, ids, budgets, None)
             promised = np.zeros(len(requests))
@@ -301,12 +312,17 @@ class DraftPipeline:
                     try:
                         per_request[where[r.request_id]].append((2 + i, c.check(self.vocab_size)))
                     except (ValueError, TypeError) as e:
-                        log.warning("draft source %r proposed malformed candidates for request %s (%s); dropped",
-                                    s.name, r.request_id, e)
+                        log.warning(
+                            "draft source %r proposed malformed candidates for request %s (%s); dropped",
+                            s.name,
+                            r.request_id,
+                            e,
+                        )
             external = _concat_candidates(per_request)
         if verified_next:
-            self.deferral.drafted(requests, promised, retrieval_only=not any(per_request), alone=alone,
-                                  source_seconds=source_seconds)
+            self.deferral.drafted(
+                requests, promised, retrieval_only=not any(per_request), alone=alone, source_seconds=source_seconds
+            )
         if alone is not None and not any(per_request):
             return alone, per_request  # nothing to merge beside retrieval's own trees
         return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
@@ -322,8 +338,9 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
             toks.append(c.tokens)
             pars.append(np.where(c.parents >= 0, c.parents + n0, -1).astype(np.int32))
             # ranked by its weight, else its real probability, else as probability 1 (times its source's discount)
-            weights.append(c.weights if c.weights is not None else c.probs if c.probs is not None
-                           else np.ones(n, np.float32))
+            weights.append(
+                c.weights if c.weights is not None else c.probs if c.probs is not None else np.ones(n, np.float32)
+            )
             qs.append(c.probs if c.probs is not None else np.full(n, np.nan, np.float32))
             tags.append(np.full(n, tag, np.uint8))
             n0 += n
@@ -332,10 +349,24 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
     def cat(parts, dt):
         return np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)
 
-    return {"offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "tokens": cat(toks, np.int64),
-            "parents": cat(pars, np.int32), "weights": cat(weights, np.float32), "q": cat(qs, np.float32),
-            "sources": cat(tags, np.uint8)}
+    return {
+        "offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        "tokens": cat(toks, np.int64),
+        "parents": cat(pars, np.int32),
+        "weights": cat(weights, np.float32),
+        "q": cat(qs, np.float32),
+        "sources": cat(tags, np.uint8),
+    }
 
 
-__all__ = ["Candidates", "DraftDistributions", "DraftPipeline", "DraftRequest", "DraftSource", "RetrievalSource",
-           "SPEC_KINDS", "parse_spec", "parse_specs"]
+__all__ = [
+    "Candidates",
+    "DraftDistributions",
+    "DraftPipeline",
+    "DraftRequest",
+    "DraftSource",
+    "RetrievalSource",
+    "SPEC_KINDS",
+    "parse_spec",
+    "parse_specs",
+]

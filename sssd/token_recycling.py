@@ -125,8 +125,14 @@ class TokenRecycling(DraftSource):
     name = "recycle"
     discount = SourceDiscount(scale=1.0)
 
-    def __init__(self, k: int = DEFAULT_K, vocab_size: int | None = None, nodes: int = DEFAULT_NODES,
-                 max_depth: int = DEFAULT_DEPTH, discount: SourceDiscount | None = None):
+    def __init__(
+        self,
+        k: int = DEFAULT_K,
+        vocab_size: int | None = None,
+        nodes: int = DEFAULT_NODES,
+        max_depth: int = DEFAULT_DEPTH,
+        discount: SourceDiscount | None = None,
+    ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if nodes < 1 or max_depth < 1:
@@ -140,10 +146,10 @@ class TokenRecycling(DraftSource):
         self.template = static_template(self.prior, self.nodes, self.max_depth)
         self._rebuild_at = REBUILD_FIRST
         rows = int(vocab_size) if vocab_size else 0
-        self.matrix = np.zeros((rows, self.k), dtype=np.int64)   # M: row t, the k likeliest tokens after t
-        self.seen = np.zeros(rows, dtype=bool)                    # rows ever written
-        self.hits = np.zeros(self.k, dtype=np.int64)              # argmax == the row's rank-r prediction
-        self.trials = 0                                           # predictions checked (per rank)
+        self.matrix = np.zeros((rows, self.k), dtype=np.int64)  # M: row t, the k likeliest tokens after t
+        self.seen = np.zeros(rows, dtype=bool)  # rows ever written
+        self.hits = np.zeros(self.k, dtype=np.int64)  # argmax == the row's rank-r prediction
+        self.trials = 0  # predictions checked (per rank)
         self._fixed = vocab_size is not None
         self._lock = threading.Lock()
 
@@ -203,8 +209,9 @@ class TokenRecycling(DraftSource):
         n = int(min(len(self.template), budgets.max()))
         if n <= 0:
             return [None] * len(requests)
-        roots = np.fromiter((int(r.tokens[-1]) if len(r.tokens) else -1 for r in requests), dtype=np.int64,
-                            count=len(requests))
+        roots = np.fromiter(
+            (int(r.tokens[-1]) if len(r.tokens) else -1 for r in requests), dtype=np.int64, count=len(requests)
+        )
         R = roots.shape[0]
         with self._lock:
             t = self.template
@@ -225,7 +232,7 @@ class TokenRecycling(DraftSource):
                 ok[:, at] = above_ok & inside & self.seen[safe]
             weights = self.rates()[ranks].astype(np.float32)
         ok &= np.arange(n)[None, :] < budgets[:, None]
-        local = np.cumsum(ok, axis=1) - 1   # each kept node's index in its request's proposal
+        local = np.cumsum(ok, axis=1) - 1  # each kept node's index in its request's proposal
         out: list[Candidates | None] = []
         for b in range(R):
             keep = np.flatnonzero(ok[b])
@@ -233,8 +240,9 @@ class TokenRecycling(DraftSource):
                 out.append(None)
                 continue
             par = parents[keep]
-            out.append(Candidates(tokens[b, keep], np.where(par >= 0, local[b, np.maximum(par, 0)], -1),
-                                  weights=weights[keep]))
+            out.append(
+                Candidates(tokens[b, keep], np.where(par >= 0, local[b, np.maximum(par, 0)], -1), weights=weights[keep])
+            )
         return out
 
 

@@ -86,8 +86,12 @@ class Tokenizer:
 
     def identity(self) -> dict[str, Any]:
         """What a datastore manifest records under "tokenizer"."""
-        out = {"name": self.name, "sha256": self.sha256, "vocab_size": self.vocab_size,
-               "path": str(self.path) if self.path else None}
+        out = {
+            "name": self.name,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "path": str(self.path) if self.path else None,
+        }
         if self.eos_token_id is not None:
             out["eos_token_id"] = self.eos_token_id
         return out
@@ -121,8 +125,11 @@ def load_tokenizer(spec: Any) -> Tokenizer:
     if isinstance(spec, Tokenizer):
         return spec
     if hasattr(spec, "backend_tokenizer"):  # transformers PreTrainedTokenizerFast
-        return Tokenizer(spec.backend_tokenizer, name=str(getattr(spec, "name_or_path", "") or "transformers"),
-                         eos_token_id=getattr(spec, "eos_token_id", None))
+        return Tokenizer(
+            spec.backend_tokenizer,
+            name=str(getattr(spec, "name_or_path", "") or "transformers"),
+            eos_token_id=getattr(spec, "eos_token_id", None),
+        )
     if hasattr(spec, "to_str") and hasattr(spec, "encode_batch"):  # tokenizers.Tokenizer
         return Tokenizer(spec, name="tokenizers.Tokenizer")
     if not isinstance(spec, (str, os.PathLike)):
@@ -183,6 +190,7 @@ def check_compatible(datastore: Any, tokenizer: Any) -> None:
 
 # -- loaders -------------------------------------------------------------------
 
+
 def _from_json(path: Path, name: str) -> Tokenizer:
     from tokenizers import Tokenizer as Backend  # native, loaded with the first tokenizer: `import sssd` stays light
 
@@ -196,11 +204,17 @@ def _from_json(path: Path, name: str) -> Tokenizer:
     try:
         backend = Backend.from_str(data.decode("utf-8"))
     except Exception as e:  # the tokenizers library raises plain Exception subclasses
-        raise ValueError(f"cannot load tokenizer {str(path)!r}: not a valid tokenizer.json ({_first_line(e)})") from None
+        raise ValueError(
+            f"cannot load tokenizer {str(path)!r}: not a valid tokenizer.json ({_first_line(e)})"
+        ) from None
     meta, config = {}, {}
     if path.name == TOKENIZER_FILE:
         # Side files: our cache's metadata, a datastore's manifest, a model folder's config.
-        meta = read_json_dict(path.parent / "sssd_tokenizer.json") or read_json_dict(path.parent / "manifest.json").get("tokenizer") or {}
+        meta = (
+            read_json_dict(path.parent / "sssd_tokenizer.json")
+            or read_json_dict(path.parent / "manifest.json").get("tokenizer")
+            or {}
+        )
         config = read_json_dict(path.parent / "tokenizer_config.json")
     eos = meta.get("eos_token_id")
     if eos is None and isinstance(config.get("eos_token"), str):
@@ -220,14 +234,23 @@ def _from_gguf(path: Path) -> Tokenizer:
 
 
 #: Files transformers can build a tokenizer from (besides tokenizer.json).
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                    "vocab.json", "vocab.txt", "merges.txt")
+_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
 
 
 def _from_transformers_folder(path: Path) -> Tokenizer:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise ValueError(f"cannot load tokenizer {str(path)!r}: the folder has no tokenizer.json, .gguf or "
-                         f"other tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        raise ValueError(
+            f"cannot load tokenizer {str(path)!r}: the folder has no tokenizer.json, .gguf or "
+            f"other tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+        )
     for f in (*_TOKENIZER_FILES, "config.json", "special_tokens_map.json", "added_tokens.json"):
         if (path / f).exists():
             check_regular(path / f)  # transformers would block reading a FIFO
@@ -235,7 +258,9 @@ def _from_transformers_folder(path: Path) -> Tokenizer:
     tok = Tokenizer(hf.backend_tokenizer, name=path.name, eos_token_id=hf.eos_token_id)
     target = cache_dir() / "tokenizers" / f"sha256-{tok.sha256}"
     if not (target / TOKENIZER_FILE).is_file():
-        _save_cached(hf.backend_tokenizer, {"name": path.name, "source": str(path), "eos_token_id": hf.eos_token_id}, target)
+        _save_cached(
+            hf.backend_tokenizer, {"name": path.name, "source": str(path), "eos_token_id": hf.eos_token_id}, target
+        )
     tok.path = target / TOKENIZER_FILE
     return tok
 
@@ -248,7 +273,9 @@ def _transformers_tokenizer(folder: Path, *, spec: Path, gguf_file: str | None =
             warnings.simplefilter("ignore")
             from transformers import AutoTokenizer  # optional, heavy: only to convert a GGUF or folder tokenizer
     except ImportError as e:
-        raise ValueError(f"cannot load tokenizer {str(spec)!r}: it needs transformers (pip install transformers gguf): {e}") from None
+        raise ValueError(
+            f"cannot load tokenizer {str(spec)!r}: it needs transformers (pip install transformers gguf): {e}"
+        ) from None
     kwargs = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -259,7 +286,9 @@ def _transformers_tokenizer(folder: Path, *, spec: Path, gguf_file: str | None =
     except Exception as e:
         raise ValueError(f"cannot load tokenizer {str(spec)!r}: {_first_line(e)}") from None
     if not hasattr(hf, "backend_tokenizer"):
-        raise ValueError(f"cannot load tokenizer {str(spec)!r}: transformers gave a slow tokenizer with no tokenizer.json form")
+        raise ValueError(
+            f"cannot load tokenizer {str(spec)!r}: transformers gave a slow tokenizer with no tokenizer.json form"
+        )
     return hf
 
 

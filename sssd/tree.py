@@ -187,9 +187,16 @@ class DraftBatch:
             raise IndexError(f"request index {b} out of range for a batch of {len(self)}")
         b %= len(self)
         s = slice(int(self.offsets[b]), int(self.offsets[b + 1]))
-        return DraftTree(self.tokens[s], self.parents[s], self.depths[s], self.scores[s], self.sources[s], self.draft_probs[s],
-                         None if self.probs is None else self.probs[s],
-                         None if self.match_lens is None else self.match_lens[s])
+        return DraftTree(
+            self.tokens[s],
+            self.parents[s],
+            self.depths[s],
+            self.scores[s],
+            self.sources[s],
+            self.draft_probs[s],
+            None if self.probs is None else self.probs[s],
+            None if self.match_lens is None else self.match_lens[s],
+        )
 
     def __iter__(self) -> Iterator[DraftTree]:
         return (self[b] for b in range(len(self)))
@@ -209,6 +216,11 @@ def concat(trees: Sequence[DraftTree]) -> DraftBatch:
         return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
     return DraftBatch(
-        offsets, cat("tokens", np.int64), cat("parents", np.int32), cat("depths", np.int32),
-        cat("scores", np.float32), cat("sources", np.uint8), cat("draft_probs", np.float32),
+        offsets,
+        cat("tokens", np.int64),
+        cat("parents", np.int32),
+        cat("depths", np.int32),
+        cat("scores", np.float32),
+        cat("sources", np.uint8),
+        cat("draft_probs", np.float32),
     )

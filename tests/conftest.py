@@ -14,7 +14,9 @@ import sssd
 SEP = sssd.SEPARATOR
 
 
-def random_corpus(rng: np.random.Generator, n_docs: int, vocab: int, max_len: int = 40, repeat: float = 0.3) -> np.ndarray:
+def random_corpus(
+    rng: np.random.Generator, n_docs: int, vocab: int, max_len: int = 40, repeat: float = 0.3
+) -> np.ndarray:
     """Documents of Zipf-ish tokens with copied phrases (so that matches exist)."""
     docs: list[list[int]] = []
     for _ in range(n_docs):

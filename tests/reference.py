@@ -65,8 +65,20 @@ def match_at(tokens, pos, length, longest, context):
     return m
 
 
-def datastore_query(tokens, sa, context, max_match, min_match, max_samples, min_occurrences, branch_len, end_token=-1,
-                    branch_per_match=0.0, max_branch_len=16, match_boost=1.0):
+def datastore_query(
+    tokens,
+    sa,
+    context,
+    max_match,
+    min_match,
+    max_samples,
+    min_occurrences,
+    branch_len,
+    end_token=-1,
+    branch_per_match=0.0,
+    max_branch_len=16,
+    match_boost=1.0,
+):
     """The datastore source's tree as {path tuple: weight}, plus (match_len, total), level by level:
     level L (the context's L-suffix) weighs match_boost^(L - the lowest level used) per sample, and a
     sample continues for branch_for(how far back the context matches there)."""

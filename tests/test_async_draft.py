@@ -70,6 +70,7 @@ def async_engine(model, draft, datastore=None, **cfg) -> LLMEngine:
 
 # -- re-rooting against brute force -------------------------------------------------------------
 
+
 def random_batch(rng, rows: int, n: int) -> DraftBatch:
     """Random trees (parents precede children) with priorities falling along every path."""
     toks, pars, deps, scores, offs = [], [], [], [], [0]
@@ -86,9 +87,15 @@ def random_batch(rng, rows: int, n: int) -> DraftBatch:
         scores += sc
         offs.append(offs[-1] + n)
     m = len(toks)
-    return DraftBatch(np.array(offs, np.int64), np.array(toks, np.int64), np.array(pars, np.int32),
-                      np.array(deps, np.int32), np.array(scores, np.float32), np.full(m, 7, np.uint8),
-                      np.array(scores, np.float32))
+    return DraftBatch(
+        np.array(offs, np.int64),
+        np.array(toks, np.int64),
+        np.array(pars, np.int32),
+        np.array(deps, np.int32),
+        np.array(scores, np.float32),
+        np.full(m, 7, np.uint8),
+        np.array(scores, np.float32),
+    )
 
 
 def brute_reroot(drafts: DraftBatch, row: int, path: list[int], budget: int):
@@ -251,6 +258,7 @@ def test_mode_chooser_keeps_the_faster_mode_and_probes_the_other():
 
 # -- lossless --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget, running", [(None, 4), (6, 1), (16, 3)])
 def test_greedy_is_token_identical_with_retrieval(llama, plain, budget, running):
     eng = async_engine(llama, ["retrieval"], corpus(plain), budget=budget, max_running=running)
@@ -343,7 +351,7 @@ def three_token_probs(model, prompt, temperature, tops=(5, 3, 2)):
 
     def walk(prefix, prob, depth):
         if depth == len(tops):
-            out[tuple(prefix[len(prompt):])] = prob
+            out[tuple(prefix[len(prompt) :])] = prob
             return
         with torch.no_grad():
             p = torch.softmax(ref(torch.tensor(prefix)[None]).logits[0, -1] / temperature, -1)
@@ -362,8 +370,9 @@ def test_sampled_sequences_follow_the_models_distribution(llama, near_llama):
     src = ModelDrafter(near_llama, target=llama, slots=64, capacity=256, expansion=(2, 1), complement=False)
     eng = async_engine(llama, [src], budget=1, max_running=64)  # a second step always
     n = 2000
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True)
-                                       for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     assert eng.async_drafter.hits > n // 10, "grown trees were used"
     assert sum(o.stats["accepted"] for o in outs) > n // 4
 
@@ -381,6 +390,7 @@ def test_sampled_sequences_follow_the_models_distribution(llama, near_llama):
 
 
 # -- the switch and bad drafters -------------------------------------------------------------------
+
 
 def test_draft_mode_is_validated_and_reaches_the_engine(llama):
     with pytest.raises(ValueError, match="draft_mode must be one of serial, async"):
@@ -426,8 +436,12 @@ class Stalling(DraftSource):
                 if self.error is not None:
                     raise self.error
                 time.sleep(self.seconds)
-        return [Candidates(np.asarray(r.tokens[-3:][::-1], dtype=np.int64), np.arange(-1, 2, dtype=np.int32))
-                if len(r.tokens) >= 3 else None for r in requests]
+        return [
+            Candidates(np.asarray(r.tokens[-3:][::-1], dtype=np.int64), np.arange(-1, 2, dtype=np.int32))
+            if len(r.tokens) >= 3
+            else None
+            for r in requests
+        ]
 
 
 def test_a_stalled_drafting_thread_costs_drafts_not_requests(llama, plain, caplog):

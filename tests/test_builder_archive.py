@@ -28,8 +28,19 @@ def cache(tmp_path, monkeypatch):
 def built(tmp_path, capsys):
     tok = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
     (tmp_path / "c.json").write_text(json.dumps(conversations(200)))
-    rc = main(["build", str(tmp_path / "c.json"), "-o", str(tmp_path / "ds"), "-t", str(tok), "--holdout-every", "50",
-               "--compress"])
+    rc = main(
+        [
+            "build",
+            str(tmp_path / "c.json"),
+            "-o",
+            str(tmp_path / "ds"),
+            "-t",
+            str(tok),
+            "--holdout-every",
+            "50",
+            "--compress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "archive" in out and str(tmp_path / "ds.sssd.zst") in out
@@ -80,7 +91,9 @@ def test_cli_info_verify_and_draft_on_an_archive(built, capsys):
     assert "MiB compressed" in out and "held out       4 records" in out
     assert main(["verify", str(packed)]) == 0
     out = capsys.readouterr().out
-    assert f"all {len(DATA_FILES) + 3} checks passed" in out  # each file against the manifest, while decompressing; the tokenizer identity
+    assert (
+        f"all {len(DATA_FILES) + 3} checks passed" in out
+    )  # each file against the manifest, while decompressing; the tokenizer identity
     assert main(["draft", "--datastore", str(packed), "question 7: how do I"]) == 0
     out = capsys.readouterr().out
     assert "best chain" in out and "reverse" in out  # continued from the archive's datastore
@@ -124,6 +137,7 @@ def test_read_manifest_reads_only_the_manifest(built):
 # Crafted from the documented layout: b"SSSDPACK" + uint32 version + uint32 0, then one
 # zstd frame of entries (uint16 name length, name, uint64 size, bytes), an empty name last.
 
+
 def _craft(path, manifest, entries):
     import zstandard
 
@@ -157,8 +171,11 @@ def _sha256_of_zeros(n):
 
 
 def _real_entries(directory, manifest, skip=()):
-    return [(name, info["bytes"], [(directory / name).read_bytes()]) for name, info in manifest["files"].items()
-            if name not in skip]
+    return [
+        (name, info["bytes"], [(directory / name).read_bytes()])
+        for name, info in manifest["files"].items()
+        if name not in skip
+    ]
 
 
 def _unpacked(cache):
@@ -189,8 +206,11 @@ def test_a_decompression_bomb_is_refused_before_unpacking(built, cache, tmp_path
     manifest["files"]["tokens.bin"] = {"bytes": big, "sha256": _sha256_of_zeros(big)}
     entries = [("tokens.bin", big, _zeros(big)), *_real_entries(directory, manifest, skip={"tokens.bin"})]
     bomb = _craft(tmp_path / "bomb.sssd.zst", manifest, entries)
-    with pytest.raises(sssd.DatastoreError, match=r"refusing to unpack: its manifest declares 3\d\d,\d{3},\d{3} bytes "
-                                                  r"uncompressed, more than the limit of 268,435,456"):
+    with pytest.raises(
+        sssd.DatastoreError,
+        match=r"refusing to unpack: its manifest declares 3\d\d,\d{3},\d{3} bytes "
+        r"uncompressed, more than the limit of 268,435,456",
+    ):
         sssd.Datastore.open(bomb)
     assert _unpacked(cache) == []
     assert main(["verify", str(bomb)]) == 1 and "refusing to unpack" in capsys.readouterr().err

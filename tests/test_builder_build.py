@@ -47,10 +47,13 @@ def leftovers(directory: Path) -> list[str]:
 
 # -- round trips -------------------------------------------------------------------------
 
+
 def test_truncated_sharegpt_round_trip(tmp_path, tok, capsys):
     recs = conversations(120)
     (tmp_path / "chats.json").write_text(truncated_json(recs))
-    rc, out, err = cli(capsys, "build", tmp_path / "chats.json", "-o", tmp_path / "ds", "-t", tok, "--holdout-every", "50")
+    rc, out, err = cli(
+        capsys, "build", tmp_path / "chats.json", "-o", tmp_path / "ds", "-t", tok, "--holdout-every", "50"
+    )
     assert rc == 0, err
     # One-line summary: tokens, documents, bytes per token, seconds per stage.
     assert out.count("\n") == 1 and "tokens" in out and "240 documents" not in out
@@ -72,7 +75,10 @@ def test_truncated_sharegpt_round_trip(tmp_path, tok, capsys):
     assert held[1]["turns"][1] == {"role": "gpt", "assistant": True, "text": recs[50]["conversations"][1]["value"]}
     # Held-out text is nowhere in the datastore.
     q = load_tokenizer(tok).encode(" " + recs[50]["conversations"][1]["value"].split(" ", 1)[1])
-    assert ds.count(q) == 0 and ds.count(load_tokenizer(tok).encode(" " + recs[51]["conversations"][1]["value"].split(" ", 1)[1])) == 1
+    assert (
+        ds.count(q) == 0
+        and ds.count(load_tokenizer(tok).encode(" " + recs[51]["conversations"][1]["value"].split(" ", 1)[1])) == 1
+    )
     assert leftovers(tmp_path) == []
 
 
@@ -92,20 +98,38 @@ def _write_arrow(path, rows):
 
 
 ROWS = [{"id": i, "prompt": f"prompt {i} hello", "response": f"response {i} world"} for i in range(10)]
-MSGS = [{"messages": [{"role": "user", "content": f"user {i}"}, {"role": "assistant", "content": f"bot {i} fox"}]} for i in range(10)]
+MSGS = [
+    {"messages": [{"role": "user", "content": f"user {i}"}, {"role": "assistant", "content": f"bot {i} fox"}]}
+    for i in range(10)
+]
 
 
-@pytest.mark.parametrize("name,write,args,docs", [
-    ("d.jsonl", lambda p: p.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n"),
-     ["--text-field", "prompt,response"], [t for r in ROWS for t in (r["prompt"], r["response"])]),
-    ("m.jsonl", lambda p: p.write_text("\n".join(json.dumps(r) for r in MSGS)),
-     ["--roles", "assistant"], [r["messages"][1]["content"] for r in MSGS]),
-    ("d.parquet", lambda p: _write_parquet(p, ROWS), ["--text-field", "response"], [r["response"] for r in ROWS]),
-    ("m.parquet", lambda p: _write_parquet(p, MSGS), [], [m["content"] for r in MSGS for m in r["messages"]]),
-    ("d.arrow", lambda p: _write_arrow(p, ROWS), ["--text-field", "prompt"], [r["prompt"] for r in ROWS]),
-    ("notes.txt", lambda p: p.write_text("first para\nline two\n\nsecond para\n"), ["--text-split", "paragraph"],
-     ["first para\nline two", "second para"]),
-])
+@pytest.mark.parametrize(
+    "name,write,args,docs",
+    [
+        (
+            "d.jsonl",
+            lambda p: p.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n"),
+            ["--text-field", "prompt,response"],
+            [t for r in ROWS for t in (r["prompt"], r["response"])],
+        ),
+        (
+            "m.jsonl",
+            lambda p: p.write_text("\n".join(json.dumps(r) for r in MSGS)),
+            ["--roles", "assistant"],
+            [r["messages"][1]["content"] for r in MSGS],
+        ),
+        ("d.parquet", lambda p: _write_parquet(p, ROWS), ["--text-field", "response"], [r["response"] for r in ROWS]),
+        ("m.parquet", lambda p: _write_parquet(p, MSGS), [], [m["content"] for r in MSGS for m in r["messages"]]),
+        ("d.arrow", lambda p: _write_arrow(p, ROWS), ["--text-field", "prompt"], [r["prompt"] for r in ROWS]),
+        (
+            "notes.txt",
+            lambda p: p.write_text("first para\nline two\n\nsecond para\n"),
+            ["--text-split", "paragraph"],
+            ["first para\nline two", "second para"],
+        ),
+    ],
+)
 def test_round_trip_per_format(tmp_path, tok, capsys, name, write, args, docs):
     pytest.importorskip("pyarrow")
     write(tmp_path / name)
@@ -129,7 +153,11 @@ def test_stdin_and_several_inputs(tmp_path, tok, capsys, monkeypatch):
     ds = sssd.Datastore.open(tmp_path / "ds")
     np.testing.assert_array_equal(ds.tokens, expected_stream(tok, docs))
     assert [(s["kind"], Path(s["path"]).name) for s in ds.manifest["source"]] == [
-        ("json", "a.json"), ("jsonl", "-"), ("text", "x.txt"), ("text", "y.md")]
+        ("json", "a.json"),
+        ("jsonl", "-"),
+        ("text", "x.txt"),
+        ("text", "y.md"),
+    ]
 
 
 def test_dedup_drops_exact_duplicates(tmp_path, tok, capsys):
@@ -158,17 +186,21 @@ def test_overwrite(tmp_path, tok, capsys):
 
 # -- bad input: a clear one-line message, exit 1, nothing written ----------------------------
 
-@pytest.mark.parametrize("case,message", [
-    ("missing input", "input not found"),
-    ("empty corpus", "empty corpus"),
-    ("unknown fields", "cannot tell which field holds the text"),
-    ("missing field", "no record has the field 'body'"),
-    ("strict", "malformed JSON line"),
-    ("bad tokenizer file", "cannot load tokenizer"),
-    ("no tokenizer", "no such file or directory"),
-    ("no inputs", "no inputs"),
-    ("roles on text", "--roles assistant needs chat messages"),
-])
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing input", "input not found"),
+        ("empty corpus", "empty corpus"),
+        ("unknown fields", "cannot tell which field holds the text"),
+        ("missing field", "no record has the field 'body'"),
+        ("strict", "malformed JSON line"),
+        ("bad tokenizer file", "cannot load tokenizer"),
+        ("no tokenizer", "no such file or directory"),
+        ("no inputs", "no inputs"),
+        ("roles on text", "--roles assistant needs chat messages"),
+    ],
+)
 def test_bad_input_fails_cleanly(tmp_path, tok, capsys, case, message):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "ok huge ok"}\n{broken\n{"text": "fine"}\n')
@@ -252,13 +284,14 @@ def test_disk_full_while_writing(tmp_path, tok, capsys, monkeypatch):
     assert not (tmp_path / "ds").exists() and leftovers(tmp_path) == []
 
 
-
 def test_bad_records_are_skipped_counted_and_reported_unless_strict(tmp_path, tok, capsys):
-    lines = ['{"text": "first good"}',
-             '{"text": "lone \\ud800 surrogate"}',  # no tokenizer can encode it
-             '{"text": "deep", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
-             '{"text": "big", "n": ' + "9" * 5000 + "}",
-             '{"text": "last good"}']
+    lines = [
+        '{"text": "first good"}',
+        '{"text": "lone \\ud800 surrogate"}',  # no tokenizer can encode it
+        '{"text": "deep", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+        '{"text": "big", "n": ' + "9" * 5000 + "}",
+        '{"text": "last good"}',
+    ]
     (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
     rc, out, err = cli(capsys, "build", tmp_path / "c.jsonl", "-o", tmp_path / "ds", "-t", tok)
     assert rc == 0, err
@@ -268,8 +301,10 @@ def test_bad_records_are_skipped_counted_and_reported_unless_strict(tmp_path, to
     src = ds.manifest["source"][0]
     assert src["skipped"] == 3 and src["documents"] == 2
     assert src["skipped_reasons"] == {
-        "text field is not valid Unicode (a lone surrogate)": 1, "JSON line nested too deeply": 1,
-        "unreadable JSON line (Exceeds the limit (4300 digits) for integer string conversion)": 1}
+        "text field is not valid Unicode (a lone surrogate)": 1,
+        "JSON line nested too deeply": 1,
+        "unreadable JSON line (Exceeds the limit (4300 digits) for integer string conversion)": 1,
+    }
     # --strict stops at the first bad record; the datastore built before is untouched.
     before = (tmp_path / "ds" / "manifest.json").read_bytes()
     rc, _, err = cli(capsys, "build", tmp_path / "c.jsonl", "-o", tmp_path / "ds", "-t", tok, "--strict", "--overwrite")
@@ -285,22 +320,42 @@ def test_a_huge_line_is_skipped_in_bounded_memory(tmp_path, tok):
     # regression fails here instead of taking the machine's memory.
     with open(tmp_path / "big.jsonl", "w") as f:
         f.write('{"text": "small one"}\n{"text": "' + "ab " * (14 << 20) + '"}\n{"text": "small two"}\n')
-    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-            "from sssd.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, "build", str(tmp_path / "big.jsonl"), "-o", str(tmp_path / "ds"),
-                           "-t", str(tok)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, RUST_BACKTRACE="0"))
+    code = (
+        "import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "from sssd.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "build", str(tmp_path / "big.jsonl"), "-o", str(tmp_path / "ds"), "-t", str(tok)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RUST_BACKTRACE="0"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped 1 (1 record larger than 16 MiB (the --max-record-mib limit))" in proc.stderr
-    np.testing.assert_array_equal(sssd.Datastore.open(tmp_path / "ds").tokens,
-                                  expected_stream(tok, ["small one", "small two"]))
+    np.testing.assert_array_equal(
+        sssd.Datastore.open(tmp_path / "ds").tokens, expected_stream(tok, ["small one", "small two"])
+    )
     # --max-record-mib sets the limit; --strict refuses the record instead.
-    rc = main(["build", str(tmp_path / "big.jsonl"), "-o", str(tmp_path / "ds2"), "-t", str(tok), "-q",
-               "--max-record-mib", "0.5", "--strict"])
+    rc = main(
+        [
+            "build",
+            str(tmp_path / "big.jsonl"),
+            "-o",
+            str(tmp_path / "ds2"),
+            "-t",
+            str(tok),
+            "-q",
+            "--max-record-mib",
+            "0.5",
+            "--strict",
+        ]
+    )
     assert rc == 1 and not (tmp_path / "ds2").exists() and leftovers(tmp_path) == []
 
 
 # -- atomicity ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stage", ["read", "tokenize", "index", "checksum", "manifest"])
 def test_failure_after_any_stage_leaves_nothing(tmp_path, tok, capsys, monkeypatch, stage):
@@ -314,8 +369,22 @@ def test_failure_after_any_stage_leaves_nothing(tmp_path, tok, capsys, monkeypat
 def _start_paused_build(tmp_path, tok, stage):
     (tmp_path / "a.txt").write_text("some text to index")
     env = dict(os.environ, **{build_mod.FAULT_ENV: f"{stage}:pause"})
-    proc = subprocess.Popen([sys.executable, "-m", "sssd.datastore_builder", str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"),
-                             "-t", str(tok)], stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sssd.datastore_builder",
+            str(tmp_path / "a.txt"),
+            "-o",
+            str(tmp_path / "ds"),
+            "-t",
+            str(tok),
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     line = proc.stderr.readline()  # blocks until the build pauses
     while line and "paused" not in line:
         line = proc.stderr.readline()
@@ -352,6 +421,7 @@ def test_killed_build_leaves_nothing_loadable_and_the_next_build_cleans_up(tmp_p
 
 # -- verify and info ----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def built(tmp_path, tok, capsys):
     (tmp_path / "c.json").write_text(json.dumps(conversations(60)))
@@ -387,8 +457,15 @@ def test_verify_reports_missing_and_resized_files(built, capsys):
 def test_info_shows_tokenizer_sources_holdout_and_timings(built, tok, capsys):
     rc, out, _ = cli(capsys, "info", built)
     assert rc == 0
-    for text in (f"sha256 {load_tokenizer(tok).sha256[:16]}", "sources        json", "60 records", "held out       2 records in heldout.jsonl",
-                 "stage seconds", "tokenize", "bytes/token"):
+    for text in (
+        f"sha256 {load_tokenizer(tok).sha256[:16]}",
+        "sources        json",
+        "60 records",
+        "held out       2 records in heldout.jsonl",
+        "stage seconds",
+        "tokenize",
+        "bytes/token",
+    ):
         assert text in out, text
     rc, out, _ = cli(capsys, "info", built, "--json")
     assert json.loads(out)["holdout"]["count"] == 2
@@ -403,12 +480,12 @@ def test_newer_format_version_is_refused(built, capsys):
         assert rc == 1 and "newer than this sssd supports" in err and err.count("\n") == 1
 
 
-
 def _run_cli(*args, timeout=60):
     """`sssd ARGS` in a child process, so that a hang fails the test instead of blocking the session."""
     try:
-        return subprocess.run([sys.executable, "-m", "sssd.cli", *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "sssd.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"sssd {' '.join(map(str, args))} blocked for {timeout} s")
 
@@ -421,7 +498,9 @@ def test_verify_refuses_fifos_without_blocking(built):
     proc = _run_cli("verify", built)
     assert proc.returncode == 1, proc.stderr
     for name in ("tokens.bin", "tokenizer.json", "heldout.jsonl"):
-        assert re.search(rf"^{re.escape(name)} +FAILED: it is a FIFO, not a regular file$", proc.stdout, re.M), proc.stdout
+        assert re.search(rf"^{re.escape(name)} +FAILED: it is a FIFO, not a regular file$", proc.stdout, re.M), (
+            proc.stdout
+        )
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     (built / "manifest.json").unlink()
     os.mkfifo(built / "manifest.json")
@@ -437,11 +516,14 @@ def test_verify_refuses_fifos_without_blocking(built):
 
 def test_file_sha256_refuses_a_fifo_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "fifo")
-    code = ("import sys\nfrom sssd.files import file_sha256\n"
-            "try:\n    file_sha256(sys.argv[1])\nexcept OSError as e:\n    print(e)\n")
+    code = (
+        "import sys\nfrom sssd.files import file_sha256\n"
+        "try:\n    file_sha256(sys.argv[1])\nexcept OSError as e:\n    print(e)\n"
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fifo")], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "fifo")], capture_output=True, text=True, timeout=60
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("hashing a FIFO blocked")
     assert proc.stdout.strip() == f"{tmp_path / 'fifo'}: it is a FIFO, not a regular file", proc.stderr
@@ -469,7 +551,9 @@ def test_verify_and_open_refuse_symlinks_out_of_the_folder(built, tmp_path, caps
     (built / "heldout.jsonl").unlink()
     (built / "heldout.jsonl").symlink_to(outside)
     rc, out, _ = cli(capsys, "verify", built)
-    assert rc == 1 and re.search(r"^heldout.jsonl +FAILED: .*symbolic link to .*outside.jsonl, outside the folder", out, re.M)
+    assert rc == 1 and re.search(
+        r"^heldout.jsonl +FAILED: .*symbolic link to .*outside.jsonl, outside the folder", out, re.M
+    )
     (built / "tokens.bin").rename(tmp_path / "tokens.bin")
     (built / "tokens.bin").symlink_to(tmp_path / "tokens.bin")
     with pytest.raises(sssd.DatastoreError, match="tokens.bin: data file is a symbolic link to .* outside the folder"):
@@ -495,31 +579,44 @@ def test_verify_checks_the_tokenizer_identity_and_open_refuses_a_malformed_one(b
     other = make_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=280)
     (built / "tokenizer.json").write_bytes(other.read_bytes())
     saved = json.loads((built / "manifest.json").read_text())["tokenizer"]["sha256"]
-    _edit_manifest(built, lambda m: (m["tokenizer"].__setitem__("sha256", saved),
-                                     m["files"].__setitem__("tokenizer.json", {"bytes": other.stat().st_size,
-                                                                               "sha256": file_sha256(other)})))
+    _edit_manifest(
+        built,
+        lambda m: (
+            m["tokenizer"].__setitem__("sha256", saved),
+            m["files"].__setitem__("tokenizer.json", {"bytes": other.stat().st_size, "sha256": file_sha256(other)}),
+        ),
+    )
     rc, out, _ = cli(capsys, "verify", built)
     assert rc == 1 and re.search(r"^tokenizer.json +OK$", out, re.M) and "tokenizer identity  FAILED" in out
     # Malformed tokenizer entries: open fails with a message naming the entry, not a traceback.
-    for edit, message in [(lambda m: m.__setitem__("tokenizer", "smollm2"), '"tokenizer" is a str, not an object'),
-                          (lambda m: m["tokenizer"].__setitem__("vocab_size", "abc"), "tokenizer vocab_size is 'abc'"),
-                          (lambda m: m["tokenizer"].__setitem__("vocab_size", -1), "tokenizer vocab_size is -1"),
-                          (lambda m: m["tokenizer"].__setitem__("vocab_size", 5), "the tokenizer's vocab_size is 5, but "
-                                                                                  "the token stream holds ids up to"),
-                          (lambda m: m["tokenizer"].__setitem__("file", "../../etc/passwd"), "tokenizer file "
-                                                                                            "'../../etc/passwd' is not a plain"),
-                          (lambda m: m["holdout"].__setitem__("file", "/etc/passwd"), "holdout file '/etc/passwd' is not")]:
+    for edit, message in [
+        (lambda m: m.__setitem__("tokenizer", "smollm2"), '"tokenizer" is a str, not an object'),
+        (lambda m: m["tokenizer"].__setitem__("vocab_size", "abc"), "tokenizer vocab_size is 'abc'"),
+        (lambda m: m["tokenizer"].__setitem__("vocab_size", -1), "tokenizer vocab_size is -1"),
+        (
+            lambda m: m["tokenizer"].__setitem__("vocab_size", 5),
+            "the tokenizer's vocab_size is 5, but the token stream holds ids up to",
+        ),
+        (
+            lambda m: m["tokenizer"].__setitem__("file", "../../etc/passwd"),
+            "tokenizer file '../../etc/passwd' is not a plain",
+        ),
+        (lambda m: m["holdout"].__setitem__("file", "/etc/passwd"), "holdout file '/etc/passwd' is not"),
+    ]:
         saved = (built / "manifest.json").read_text()
         _edit_manifest(built, edit)
         with pytest.raises(sssd.DatastoreError, match=re.escape(message)):
             sssd.Datastore.open(built)
         for command in ("verify", "draft"):
-            rc, out, err = cli(capsys, command, *(["--datastore", built, "--ids", "1,2"] if command == "draft" else [built]))
+            rc, out, err = cli(
+                capsys, command, *(["--datastore", built, "--ids", "1,2"] if command == "draft" else [built])
+            )
             assert rc == 1 and message in out + err and err.count("\n") == 1, (command, out, err)
         (built / "manifest.json").write_text(saved)
 
 
 # -- pieces ---------------------------------------------------------------------------------
+
 
 def test_batch_to_stream_checks_ids():
     from sssd.datastore_builder.tokenize import TokenIdError, batch_to_stream

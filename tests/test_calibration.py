@@ -21,7 +21,9 @@ def brute_isotonic(y, w):
     n = len(y)
     out = np.empty(n)
     for i in range(n):
-        out[i] = max(min(np.dot(w[j : k + 1], y[j : k + 1]) / w[j : k + 1].sum() for k in range(i, n)) for j in range(i + 1))
+        out[i] = max(
+            min(np.dot(w[j : k + 1], y[j : k + 1]) / w[j : k + 1].sum() for k in range(i, n)) for j in range(i + 1)
+        )
     return out
 
 
@@ -55,9 +57,13 @@ def synthetic_nodes(rng, n=20_000):
     src = rng.integers(0, 2, n)
     prob = rng.random(n)
     true = np.where(src == 1, prob / 2, prob)
-    return {"source": src.astype(np.uint8), "depth": rng.integers(1, 5, n).astype(np.int32),
-            "match_len": rng.integers(1, 5, n).astype(np.uint8), "prob": prob.astype(np.float32),
-            "accepted": rng.random(n) < true}
+    return {
+        "source": src.astype(np.uint8),
+        "depth": rng.integers(1, 5, n).astype(np.int32),
+        "match_len": rng.integers(1, 5, n).astype(np.uint8),
+        "prob": prob.astype(np.float32),
+        "accepted": rng.random(n) < true,
+    }
 
 
 def test_fit_learns_each_sources_reliability():
@@ -103,7 +109,9 @@ def test_score_table_curves_are_validated():
 def parameter_file(tmp_path, calibrated=True):
     cal = sssd.Calibration((0,), (1,), ((1, 0, 0, (0.0, 1.0), (0.0, 0.25)),))
     d = {
-        "format": "sssd-calibration", "version": 1, "default_budget": 16,
+        "format": "sssd-calibration",
+        "version": 1,
+        "default_budget": 16,
         "budgets": {
             "8": {"config": sssd.DrafterConfig(max_samples=40).to_dict(), "calibrated": False},
             "16": {"config": sssd.DrafterConfig(max_samples=60, min_occurrences=7).to_dict(), "calibrated": calibrated},
@@ -216,18 +224,22 @@ def test_provenance_names_no_machine_directories(tmp_path, monkeypatch):
 
 # -- the files calibration reads: never blocked on, never followed out of a datastore --------
 
+
 def test_ground_truth_and_prompt_files_refuse_fifos_without_blocking(tmp_path):
     import os
     import subprocess
     import sys
 
     os.mkfifo(tmp_path / "gt.jsonl")
-    code = ("import sys\nfrom sssd.calibration import datasets, ground_truth\n"
-            "for load in (ground_truth.load_groundtruth, datasets.from_jsonl):\n"
-            "    try:\n        load(sys.argv[1])\n    except OSError as e:\n        print(e)\n")
+    code = (
+        "import sys\nfrom sssd.calibration import datasets, ground_truth\n"
+        "for load in (ground_truth.load_groundtruth, datasets.from_jsonl):\n"
+        "    try:\n        load(sys.argv[1])\n    except OSError as e:\n        print(e)\n"
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "gt.jsonl")], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "gt.jsonl")], capture_output=True, text=True, timeout=60
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("reading a FIFO as ground truth blocked")
     assert proc.stdout.splitlines() == [f"{tmp_path / 'gt.jsonl'}: it is a FIFO, not a regular file"] * 2, proc.stderr
@@ -252,8 +264,11 @@ def test_ground_truth_and_prompt_files_that_are_not_text(tmp_path):
 def test_a_heldout_file_linked_out_of_the_datastore_is_refused(tmp_path):
     from sssd.calibration.datasets import heldout_file
 
-    sssd.Datastore.build(np.array([1, 2, sssd.SEPARATOR], dtype=np.uint32), tmp_path / "ds",
-                         metadata={"holdout": {"file": "heldout.jsonl", "every": 50, "count": 1}})
+    sssd.Datastore.build(
+        np.array([1, 2, sssd.SEPARATOR], dtype=np.uint32),
+        tmp_path / "ds",
+        metadata={"holdout": {"file": "heldout.jsonl", "every": 50, "count": 1}},
+    )
     (tmp_path / "elsewhere.jsonl").write_text('{"index": 0, "turns": []}\n')
     (tmp_path / "ds" / "heldout.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     with pytest.raises(FileNotFoundError, match="symbolic link to .*elsewhere.jsonl, outside the folder"):

@@ -39,14 +39,21 @@ def model_dir(tmp_path):
     return folder
 
 
-def calibration_dict(entries: dict[int, sssd.DrafterConfig], fingerprint: Fingerprint | None = None,
-                     calibrated: bool = False) -> dict:
+def calibration_dict(
+    entries: dict[int, sssd.DrafterConfig], fingerprint: Fingerprint | None = None, calibrated: bool = False
+) -> dict:
     cal = sssd.Calibration((0,), (1,), ((1, 0, 0, (0.0, 1.0), (0.0, 0.25)),))
-    return {"format": "sssd-calibration", "version": 1, "default_budget": max(entries),
-            "budgets": {str(b): {"config": c.to_dict(), "calibrated": calibrated, "mat": 1.5 + 0.1 * i}
-                        for i, (b, c) in enumerate(entries.items())},
-            "calibration": cal.to_dict(),
-            "fingerprint": fingerprint.to_dict() if fingerprint else None}
+    return {
+        "format": "sssd-calibration",
+        "version": 1,
+        "default_budget": max(entries),
+        "budgets": {
+            str(b): {"config": c.to_dict(), "calibrated": calibrated, "mat": 1.5 + 0.1 * i}
+            for i, (b, c) in enumerate(entries.items())
+        },
+        "calibration": cal.to_dict(),
+        "fingerprint": fingerprint.to_dict() if fingerprint else None,
+    }
 
 
 def write(tmp_path, d: dict, name: str = "cal.json"):
@@ -56,6 +63,7 @@ def write(tmp_path, d: dict, name: str = "cal.json"):
 
 
 # -- per-budget entries ---------------------------------------------------------------------
+
 
 def test_each_budget_takes_the_largest_calibrated_budget_not_above_it(tmp_path):
     p = write(tmp_path, calibration_dict({b: sssd.DrafterConfig(max_samples=b + 1) for b in (4, 8, 32)}))
@@ -72,8 +80,10 @@ def test_each_budget_takes_the_largest_calibrated_budget_not_above_it(tmp_path):
 def test_the_pipeline_drafts_each_step_with_the_entry_of_its_budget(store):
     # Entry 4 drafts from the request's own n-grams only (no copy source), entry 16 from the datastore
     # only: a tree's sources show which entry drafted it. Their input depths differ (6+3 vs 2+12).
-    entries = {4: sssd.DrafterConfig(use_datastore=False, input_max_match=6, input_branch_len=3, copy_max_branch_len=0),
-               16: sssd.DrafterConfig(use_input=False, input_max_match=2, input_branch_len=12)}
+    entries = {
+        4: sssd.DrafterConfig(use_datastore=False, input_max_match=6, input_branch_len=3, copy_max_branch_len=0),
+        16: sssd.DrafterConfig(use_input=False, input_max_match=2, input_branch_len=12),
+    }
     cal = CalibrationFile.from_dict(calibration_dict(entries))
     pipe = DraftPipeline([RetrievalSource(store, None)], cal, vocab_size=100)
     context = np.array(PHRASE * 3, dtype=np.int64)
@@ -84,16 +94,16 @@ def test_the_pipeline_drafts_each_step_with_the_entry_of_its_budget(store):
         batch = pipe.draft([DraftRequest(rid, context, b) for rid, b in zip((1, 2), budgets)])
         return [set(tree.sources.tolist()) for tree in batch], batch
 
-    assert sources((4, 4))[0] == [{1}, {1}]      # input only
-    assert sources((16, 16))[0] == [{0}, {0}]    # datastore only
-    assert sources((64, 2))[0] == [{0}, {1}]     # above all: the largest; below all: the smallest
-    mixed, batch = sources((5, 20))              # one batch, two entries: drafted per entry, kept in order
+    assert sources((4, 4))[0] == [{1}, {1}]  # input only
+    assert sources((16, 16))[0] == [{0}, {0}]  # datastore only
+    assert sources((64, 2))[0] == [{0}, {1}]  # above all: the largest; below all: the smallest
+    mixed, batch = sources((5, 20))  # one batch, two entries: drafted per entry, kept in order
     assert mixed == [{1}, {0}] and batch.sizes.tolist()[0] <= 5 and batch.sizes.tolist()[1] <= 20
     alone = [pipe.draft([DraftRequest(rid, context, b)])[0] for rid, b in ((1, 5), (2, 20))]
     for got, want in zip(batch, alone):
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.parents, want.parents)
-    assert sources((0, 4))[0] == [set(), {1}]     # budget 0: no draft
+    assert sources((0, 4))[0] == [set(), {1}]  # budget 0: no draft
     base = pipe.drafter.config  # request tries deep enough for both entries
     assert (base.input_max_match, base.input_branch_len) == (6, 12)
 
@@ -109,6 +119,7 @@ def test_the_planner_estimates_mat_from_the_entries_the_engine_drafts_with(tmp_p
 
 
 # -- the fingerprint -------------------------------------------------------------------------
+
 
 def test_fingerprint_match_mismatch_and_missing(tmp_path, store, model_dir, caplog):
     fp = Fingerprint.of(store, model_dir)
@@ -240,6 +251,7 @@ def test_sssd_serve_refuses_a_bad_drafter_file_in_one_line(tmp_path, capsys, mon
 
 # -- the engine --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     from tiny_models import tiny_model
@@ -247,8 +259,9 @@ def llama(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("calfile-model") / "llama", "llama")
 
 
-def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another_setup(tmp_path, store, llama, caplog,
-                                                                                      monkeypatch):
+def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another_setup(
+    tmp_path, store, llama, caplog, monkeypatch
+):
     from sssd.serving.engine import EngineConfig, LLMEngine
     from sssd.serving.planning.planner import DEFAULT_MAT
     from sssd.serving.planning.profile import ForwardProfile
@@ -256,11 +269,14 @@ def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another
     flat = ForwardProfile([1, 64], [1, 65], [[0.01, 0.02], [0.02, 0.04]], context=256)
     from sssd.serving.backends.torch_backend import TorchBackend
 
-    monkeypatch.setattr(TorchBackend, "profile", lambda self, log=None, force=False: flat)  # the planner's, not measured
+    monkeypatch.setattr(
+        TorchBackend, "profile", lambda self, log=None, force=False: flat
+    )  # the planner's, not measured
     entries = {4: sssd.DrafterConfig(use_datastore=False), 16: sssd.DrafterConfig(use_input=False)}
     good = write(tmp_path, calibration_dict(entries, Fingerprint.of(store, llama)), "good.json")
-    eng = LLMEngine(llama, datastore=store, drafter=good, config=EngineConfig(max_model_len=128, budget=None,
-                                                                              max_running=2))
+    eng = LLMEngine(
+        llama, datastore=store, drafter=good, config=EngineConfig(max_model_len=128, budget=None, max_running=2)
+    )
     assert isinstance(eng.drafter_configs, CalibrationFile) and list(eng.drafting.entries) == [4, 16]
     assert eng.drafting.entries[4].end_token == 1  # the model's end-of-sequence id reached every entry
     assert eng.planner.mat[4] == 1.5 and eng.planner.mat[16] == 1.6
@@ -281,8 +297,9 @@ def test_the_engine_uses_a_matching_file_per_budget_and_the_defaults_for_another
         LLMEngine(llama, datastore=store, drafter=tmp_path / "bad.json", config=EngineConfig(max_model_len=128))
 
 
-def test_an_engine_without_a_drafter_takes_the_packaged_calibration_only_where_it_fits(tmp_path, store, llama,
-                                                                                        monkeypatch):
+def test_an_engine_without_a_drafter_takes_the_packaged_calibration_only_where_it_fits(
+    tmp_path, store, llama, monkeypatch
+):
     import sssd.paths as paths
     from sssd.serving.engine import EngineConfig, LLMEngine
 
@@ -307,17 +324,49 @@ def test_sssd_calibrate_records_the_fingerprint(tmp_path, store, model_dir, caps
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     gt = tmp_path / "gt.jsonl"
-    header = {"format": "sssd-groundtruth", "version": 1, "dataset": "tiny",
-              "model": {"name": "my-model", "path": str(model_dir), "sha256": "0" * 64}}
+    header = {
+        "format": "sssd-groundtruth",
+        "version": 1,
+        "dataset": "tiny",
+        "model": {"name": "my-model", "path": str(model_dir), "sha256": "0" * 64},
+    }
     context = PHRASE * 2
-    records = [{"id": f"r{i}", "prompt_ids": context[i:i + 4], "output_ids": context[i + 4:i + 10]} for i in range(6)]
+    records = [
+        {"id": f"r{i}", "prompt_ids": context[i : i + 4], "output_ids": context[i + 4 : i + 10]} for i in range(6)
+    ]
     gt.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
-    grid = [arg for f, v in (("max-samples", 8), ("min-occurrences", 2), ("datastore-branch-len", 4),
-                             ("input-scale", 0.6), ("input-match-damping", 0.8), ("input-depth-decay", 0.9),
-                             ("datastore-match-damping", 0.85)) for arg in (f"--{f}", str(v))]
+    grid = [
+        arg
+        for f, v in (
+            ("max-samples", 8),
+            ("min-occurrences", 2),
+            ("datastore-branch-len", 4),
+            ("input-scale", 0.6),
+            ("input-match-damping", 0.8),
+            ("input-depth-decay", 0.9),
+            ("datastore-match-damping", 0.85),
+        )
+        for arg in (f"--{f}", str(v))
+    ]
     out = tmp_path / "cal.json"
-    code = main(["calibrate", str(gt), "--datastore", str(store.path), "-o", str(out), "--split", "all",
-                 "--budgets", "4", "8", "--workers", "1", *grid])
+    code = main(
+        [
+            "calibrate",
+            str(gt),
+            "--datastore",
+            str(store.path),
+            "-o",
+            str(out),
+            "--split",
+            "all",
+            "--budgets",
+            "4",
+            "8",
+            "--workers",
+            "1",
+            *grid,
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     cal = CalibrationFile.load(out)
     assert cal.fingerprint == Fingerprint.of(store, model_dir) and cal.fingerprint.model_name == "my-model"

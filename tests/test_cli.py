@@ -37,6 +37,7 @@ def run(capsys, *argv):
 
 # -- --help ---------------------------------------------------------------------------------
 
+
 def _help_entries(text: str) -> dict[str, str]:
     """{option invocation: its help text} from an argparse help screen."""
     entries: dict[str, str] = {}
@@ -53,8 +54,20 @@ def _help_entries(text: str) -> dict[str, str]:
     return entries
 
 
-COMMANDS = ["build", "calibrate", "draft", "groundtruth", "info", "models", "models list", "models pull",
-            "models path", "plan", "serve", "verify"]
+COMMANDS = [
+    "build",
+    "calibrate",
+    "draft",
+    "groundtruth",
+    "info",
+    "models",
+    "models list",
+    "models pull",
+    "models path",
+    "plan",
+    "serve",
+    "verify",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -80,6 +93,7 @@ def test_help_shows_a_default_the_help_text_does_not_state(capsys):
 
 
 # -- bad arguments ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def files(tmp_path):
@@ -123,8 +137,10 @@ CASES = [
     (["calibrate", "{d}/gt.jsonl", "--input-scale", "nan"], "argument --input-scale: must be a finite number"),
     (["calibrate", "{d}/gt.jsonl", "--input-scale", "-0.5"], "argument --input-scale: must be >= 0"),
     (["calibrate", "{d}/gt.jsonl", "--max-samples", "0"], "argument --max-samples: must be >= 1"),
-    (["calibrate", "{d}/gt.jsonl", "--datastore-branch-len", "300"],
-     "argument --datastore-branch-len: 300 is refused: branch_len must be in [1, 255]"),
+    (
+        ["calibrate", "{d}/gt.jsonl", "--datastore-branch-len", "300"],
+        "argument --datastore-branch-len: 300 is refused: branch_len must be in [1, 255]",
+    ),
     (["calibrate", "{d}/gt.jsonl", "-o", "{d}/a_dir"], "argument -o/--output: {d}/a_dir: it is a directory"),
     (["calibrate", "{d}/gt.jsonl", "-o", "{d}/notes.txt/out.json"], "{d}/notes.txt is not a directory"),
     (["calibrate", "{d}/gt.jsonl", "--datastore", "{d}/nope"], "argument --datastore: {d}/nope: no such file"),
@@ -133,24 +149,44 @@ CASES = [
     (["calibrate", "{d}/gt.jsonl", "--draft-scales", "0"], "argument --draft-scales: must be > 0"),
     # build
     (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/nope.json"], "argument -t/--tokenizer: {d}/nope.json"),
-    (["build", "{d}/notes.txt", "-o", "{d}/notes.txt", "-t", "{d}/tok.json"], "argument -o/--output: {d}/notes.txt: it "
-                                                                            "exists and is not a directory"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--threads", "-1"], "argument --threads: must be >= 0"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--batch-docs", "0"], "argument --batch-docs: must be >= 1"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--holdout-every", "-3"],
-     "argument --holdout-every: must be >= 0"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--max-record-mib", "0"],
-     "argument --max-record-mib: must be > 0"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--text-field", ","],
-     "argument --text-field: no field name given"),
-    (["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--text-field", "a", "--messages-field", "m"],
-     "arguments --text-field and --messages-field: give one or the other"),
-    (["build", "{d}/fifo", "-o", "{d}/ds", "-t", "{d}/tok.json"], "input {d}/fifo is a FIFO, not a regular file; to read "
-                                                                 "from a pipe, give -"),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/notes.txt", "-t", "{d}/tok.json"],
+        "argument -o/--output: {d}/notes.txt: it exists and is not a directory",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--threads", "-1"],
+        "argument --threads: must be >= 0",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--batch-docs", "0"],
+        "argument --batch-docs: must be >= 1",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--holdout-every", "-3"],
+        "argument --holdout-every: must be >= 0",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--max-record-mib", "0"],
+        "argument --max-record-mib: must be > 0",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--text-field", ","],
+        "argument --text-field: no field name given",
+    ),
+    (
+        ["build", "{d}/notes.txt", "-o", "{d}/ds", "-t", "{d}/tok.json", "--text-field", "a", "--messages-field", "m"],
+        "arguments --text-field and --messages-field: give one or the other",
+    ),
+    (
+        ["build", "{d}/fifo", "-o", "{d}/ds", "-t", "{d}/tok.json"],
+        "input {d}/fifo is a FIFO, not a regular file; to read from a pipe, give -",
+    ),
     (["build", "{d}/a_dir", "-o", "{d}/ds", "-t", "{d}/tok.json"], "no input files in directory {d}/a_dir"),
     (["build", "", "-o", "{d}/ds", "-t", "{d}/tok.json"], "argument INPUT: empty input"),
-    (["build", "{d}/notes.txt", "-o", "/proc/sssd-nope/ds", "-t", "{d}/tok.json"],
-     "cannot create the datastore in /proc/sssd-nope"),
+    (
+        ["build", "{d}/notes.txt", "-o", "/proc/sssd-nope/ds", "-t", "{d}/tok.json"],
+        "cannot create the datastore in /proc/sssd-nope",
+    ),
     # the default datastore, not built (the one-line message says how to build it)
     (["info"], "the default datastore is not built yet"),
     (["verify"], "the default datastore is not built yet"),
@@ -168,8 +204,14 @@ CASES = [
     (["groundtruth", "--dataset", "mtbench", "--max-new-tokens", "-1"], "argument --max-new-tokens: must be >= 1"),
     (["groundtruth", "--dataset", "mtbench", "--batch-size", "0"], "argument --batch-size: must be >= 1"),
     (["groundtruth", "--dataset", "mtbench", "--threads", "0"], "argument --threads: must be >= 1"),
-    (["groundtruth", "--dataset", "mtbench", "-m", "no-such-model"], "argument -m/--model: unknown model 'no-such-model'"),
-    (["groundtruth", "--dataset", "mtbench", "-m", "{d}/nope"], "argument -m/--model: unknown model '{d}/nope': no such model folder"),
+    (
+        ["groundtruth", "--dataset", "mtbench", "-m", "no-such-model"],
+        "argument -m/--model: unknown model 'no-such-model'",
+    ),
+    (
+        ["groundtruth", "--dataset", "mtbench", "-m", "{d}/nope"],
+        "argument -m/--model: unknown model '{d}/nope': no such model folder",
+    ),
     (["groundtruth", "--dataset", "mtbench", "-m", "{d}/notes.txt"], "not a file"),
     (["groundtruth", "--dataset", "mtbench", "-o", "{d}/a_dir"], "argument -o/--output: {d}/a_dir: it is a directory"),
     (["groundtruth", "--dataset", "mtbench", "--datastore", "{d}/nope"], "argument --datastore: {d}/nope: no such"),
@@ -199,8 +241,11 @@ def test_bad_arguments_fail_in_one_line(files, cache, capsys, argv, message):
 
 def test_draft_checks_its_arguments_before_building_the_default_datastore(cache, capsys, tmp_path):
     # With no default datastore, `sssd draft` builds it first (a minute): a typo must not cost that.
-    for argv in (["draft", "--ids", "1,2,x"], ["draft", "--config", str(tmp_path / "nope.json"), "text"],
-                 ["draft", "--budget", "0", "text"]):
+    for argv in (
+        ["draft", "--ids", "1,2,x"],
+        ["draft", "--config", str(tmp_path / "nope.json"), "text"],
+        ["draft", "--budget", "0", "text"],
+    ):
         code, _, err = run(capsys, *argv)
         assert code == 1 and err.count("\n") == 1 and "The default datastore is not built yet" not in err
         assert not (cache / "datastores").exists()
@@ -238,8 +283,13 @@ def test_a_closed_pipe_is_not_an_error_message(datastore):
     r, w = os.pipe()
     os.close(r)
     try:
-        proc = subprocess.run([sys.executable, "-m", "sssd.cli", "info", "--json", str(datastore)], stdout=w,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "sssd.cli", "info", "--json", str(datastore)],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(w)
     assert proc.stderr == "" and proc.returncode != 0

@@ -45,6 +45,7 @@ def _digest(records) -> str:
 
 # -- the sets as a whole ---------------------------------------------------------------------
 
+
 def test_registered():
     for name in copy_sets.COPY_SETS:
         assert name in datasets.DATASETS
@@ -70,9 +71,11 @@ def test_deterministic(sets):
     """Equal on a second call, and in another process with another string hash seed."""
     for name in copy_sets.COPY_SETS:
         assert datasets.load(name) == sets[name]
-    code = ("import hashlib, json; from sssd.calibration import datasets; "
-            "print(json.dumps({n: hashlib.sha256(json.dumps([r.to_json() for r in datasets.load(n)], "
-            "sort_keys=True).encode()).hexdigest() for n in ('code-edits', 'agent-traces', 'quoting')}))")
+    code = (
+        "import hashlib, json; from sssd.calibration import datasets; "
+        "print(json.dumps({n: hashlib.sha256(json.dumps([r.to_json() for r in datasets.load(n)], "
+        "sort_keys=True).encode()).hexdigest() for n in ('code-edits', 'agent-traces', 'quoting')}))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {n: _digest(sets[n]) for n in copy_sets.COPY_SETS}
@@ -94,6 +97,7 @@ def test_split_grouped(sets, name):
 
 # -- references copy the prompt ---------------------------------------------------------------
 
+
 def test_code_edit_references_copy_the_prompt(sets):
     for r in sets["code-edits"]:
         prompt_lines = {line.strip() for line in _prompt(r).split("\n")}
@@ -104,11 +108,11 @@ def test_code_edit_references_copy_the_prompt(sets):
 
 def _copied_share(reference: str, prompt: str, k: int = 16) -> float:
     """The share of the reference's characters inside a k-character span that occurs in the prompt."""
-    grams = {prompt[i:i + k] for i in range(len(prompt) - k + 1)}
+    grams = {prompt[i : i + k] for i in range(len(prompt) - k + 1)}
     covered = bytearray(len(reference))
     for i in range(len(reference) - k + 1):
-        if reference[i:i + k] in grams:
-            covered[i:i + k] = b"\x01" * k
+        if reference[i : i + k] in grams:
+            covered[i : i + k] = b"\x01" * k
     return sum(covered) / max(1, len(reference))
 
 
@@ -124,8 +128,9 @@ def test_agent_trace_references_copy_the_prompt(sets):
 def test_quoting_references_quote_verbatim(sets):
     long = 0
     for r in sets["quoting"]:
-        quotes = re.findall(r'^(?:According to passage \d+|Passage \d+ \([^)]*\) mentions it): "(.*?)"$',
-                            r.reference, re.S | re.M)
+        quotes = re.findall(
+            r'^(?:According to passage \d+|Passage \d+ \([^)]*\) mentions it): "(.*?)"$', r.reference, re.S | re.M
+        )
         assert quotes, r.id
         body = r.messages[-1]["content"]
         for q in quotes:
@@ -138,13 +143,15 @@ def test_quoting_references_quote_verbatim(sets):
 
 # -- the edits are exact ---------------------------------------------------------------------
 
+
 def _by_qualname():
     return {f.qualname: f for f in copy_sets.source_functions()}
 
 
 def _names(tree: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
-        {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)
+    }
 
 
 def _code_body(fn):
@@ -156,7 +163,7 @@ def test_edits_are_exact(sets):
     kinds = defaultdict(int)
     for r in sets["code-edits"]:
         head, kind = r.id.split("#")
-        fn = fns[head[len("code-edits/"):]]
+        fn = fns[head[len("code-edits/") :]]
         user = r.messages[-1]["content"]
         ref = _code(r.reference)
         ref_tree = ast.parse(ref if not kind.startswith("file-") else copy_sets.dedent_exact(ref, fn.indent))
@@ -167,8 +174,8 @@ def test_edits_are_exact(sets):
             assert ref_src is not None
             if kind == "file-fix-bug":  # the answer is the function exactly as in the installed file
                 file_text = dict(tqdm_code._source_files())[fn.path].split("\n")
-                assert ref == "\n".join(file_text[fn.start - 1:fn.end])
-            kind, ref = kind[len("file-"):], ref_src
+                assert ref == "\n".join(file_text[fn.start - 1 : fn.end])
+            kind, ref = kind[len("file-") :], ref_src
         else:
             orig = _code(user)
         orig_tree = ast.parse(orig)
@@ -181,8 +188,11 @@ def test_edits_are_exact(sets):
             continue
         assert orig == fn.source
         if kind == "rename-var":
-            old, new = re.search(r"[Rr]ename (?:the (?:parameter|local variable) )?`(\w+)`"
-                                 r"(?: of the (?:method|function) `\w+`)? to `(\w+)`", user).groups()
+            old, new = re.search(
+                r"[Rr]ename (?:the (?:parameter|local variable) )?`(\w+)`"
+                r"(?: of the (?:method|function) `\w+`)? to `(\w+)`",
+                user,
+            ).groups()
             assert ast.dump(ref_tree) == copy_sets.expected_rename(orig, old, new)
             assert old not in _names(ref_tree) and new in _names(ref_tree)
         elif kind == "rename-function":
@@ -219,12 +229,17 @@ def test_edits_are_exact(sets):
 
 # -- the transformations on tricky inputs ------------------------------------------------------
 
+
 def test_rename_identifier_leaves_attributes_keywords_and_strings():
-    src = ('def f(total, x=1):\n    """total is the total."""\n    obj.total = total  # total\n'
-           '    g(total=total, y=f"{total}")\n    return [total for _ in x]')
+    src = (
+        'def f(total, x=1):\n    """total is the total."""\n    obj.total = total  # total\n'
+        '    g(total=total, y=f"{total}")\n    return [total for _ in x]'
+    )
     out = copy_sets.rename_identifier(src, "total", "count")
-    assert out == ('def f(count, x=1):\n    """total is the total."""\n    obj.total = count  # total\n'
-                   '    g(total=count, y=f"{count}")\n    return [count for _ in x]')
+    assert out == (
+        'def f(count, x=1):\n    """total is the total."""\n    obj.total = count  # total\n'
+        '    g(total=count, y=f"{count}")\n    return [count for _ in x]'
+    )
     with pytest.raises(copy_sets.EditError):
         copy_sets.rename_identifier(src, "total", "x")  # taken
     with pytest.raises(copy_sets.EditError):
@@ -239,8 +254,10 @@ def test_remove_comments_keeps_hashes_in_strings():
 def test_wrap_try_leaves_multiline_strings_alone():
     src = 'def f():\n    """Doc."""\n    s = """a\nb"""\n    return s'
     out = copy_sets.wrap_try(src, "f")
-    assert out == ('def f():\n    """Doc."""\n    try:\n        s = """a\nb"""\n        return s\n'
-                   '    except Exception as err:\n        logger.error("f failed: %s", err)\n        raise')
+    assert out == (
+        'def f():\n    """Doc."""\n    try:\n        s = """a\nb"""\n        return s\n'
+        '    except Exception as err:\n        logger.error("f failed: %s", err)\n        raise'
+    )
     ns: dict = {}
     exec(out.replace("logger.error", "print"), ns)  # noqa: S102 - our own snippet
     assert ns["f"]() == "a\nb"
@@ -249,4 +266,4 @@ def test_wrap_try_leaves_multiline_strings_alone():
 def test_dedent_reindent_roundtrip():
     for fn in copy_sets.source_functions():
         text = dict(tqdm_code._source_files())[fn.path].split("\n")
-        assert copy_sets.reindent(fn.source, fn.indent) == "\n".join(text[fn.start - 1:fn.end])
+        assert copy_sets.reindent(fn.source, fn.indent) == "\n".join(text[fn.start - 1 : fn.end])

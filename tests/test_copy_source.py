@@ -173,9 +173,18 @@ def test_budgets_zero_one_and_max_on_a_repeated_token(budget):
     assert d.request_memory(0) < 100_000 * 400  # trie + automaton, bounded per token
 
 
-@pytest.mark.parametrize("field,value", [("copy_min_match", 0), ("copy_max_branch_len", -1), ("copy_rate", 0.0),
-                                         ("copy_rate", 1.5), ("copy_occurrences", 4), ("copy_evidence", 0.0),
-                                         ("copy_half_life", -1.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("copy_min_match", 0),
+        ("copy_max_branch_len", -1),
+        ("copy_rate", 0.0),
+        ("copy_rate", 1.5),
+        ("copy_occurrences", 4),
+        ("copy_evidence", 0.0),
+        ("copy_half_life", -1.0),
+    ],
+)
 def test_bad_copy_settings_are_refused_by_name(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
         sssd.DrafterConfig(**{field: value})
@@ -208,8 +217,9 @@ def test_an_edit_made_once_is_proposed_again_where_the_source_has_it_again():
     prefix = body + [7, 8] + edited[:30]
     trie = _core.RequestTrie(20, 1 << 22, 1 << 20, 8, 32.0)
     trie.extend(np.asarray(prefix, dtype=np.uint32))
-    assert (old, [], [new]) in [(a, r, i) for a, r, i in trie.copy_edits] or \
-        any(r == [old] and i == [new] for _, r, i in trie.copy_edits)
+    assert (old, [], [new]) in [(a, r, i) for a, r, i in trie.copy_edits] or any(
+        r == [old] and i == [new] for _, r, i in trie.copy_edits
+    )
     tree = d.draft_prefix(prefix, 64)
     paths = {tuple(p) for p in tree_paths(tree)}
     assert any(p[:20] == tuple(edited[30:50]) for p in paths)  # the next site (40) edited as before

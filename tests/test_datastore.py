@@ -62,8 +62,13 @@ def test_query_matches_reference(seed, params, ctx_len):
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), min_occ=st.integers(0, 40), max_match=st.integers(1, 10),
-       ctx_len=st.integers(1, 12), repeat=st.sampled_from([0.3, 0.9]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    min_occ=st.integers(0, 40),
+    max_match=st.integers(1, 10),
+    ctx_len=st.integers(1, 12),
+    repeat=st.sampled_from([0.3, 0.9]),
+)
 def test_backoff_by_weighted_occurrences_equals_level_by_level(seed, min_occ, max_match, ctx_len, repeat):
     """With min_occurrences <= max_samples the core weights the occurrences of
     the suffix one longer than the base level instead of sampling each level;
@@ -84,11 +89,20 @@ def test_backoff_by_weighted_occurrences_equals_level_by_level(seed, min_occ, ma
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), min_occ=st.integers(0, 40), max_match=st.integers(1, 10),
-       ctx_len=st.integers(1, 12), repeat=st.sampled_from([0.3, 0.9]), per_match=st.sampled_from([0.0, 0.5, 1.0, 2.5]),
-       max_branch=st.integers(1, 12), boost=st.sampled_from([1.0, 1.5, 2.0]), samples=st.sampled_from([3, 64]))
-def test_adaptive_depth_and_match_boost_equal_the_level_by_level_reference(seed, min_occ, max_match, ctx_len, repeat,
-                                                                          per_match, max_branch, boost, samples):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    min_occ=st.integers(0, 40),
+    max_match=st.integers(1, 10),
+    ctx_len=st.integers(1, 12),
+    repeat=st.sampled_from([0.3, 0.9]),
+    per_match=st.sampled_from([0.0, 0.5, 1.0, 2.5]),
+    max_branch=st.integers(1, 12),
+    boost=st.sampled_from([1.0, 1.5, 2.0]),
+    samples=st.sampled_from([3, 64]),
+)
+def test_adaptive_depth_and_match_boost_equal_the_level_by_level_reference(
+    seed, min_occ, max_match, ctx_len, repeat, per_match, max_branch, boost, samples
+):
     """Adaptive depth (an occurrence matching m context tokens continues for
     clamp(per_match * m, branch_len, max_branch_len)) and the match boost (level L weighs
     boost^(L - lowest level)) give the brute-force level-by-level tree, on both
@@ -100,8 +114,16 @@ def test_adaptive_depth_and_match_boost_equal_the_level_by_level_reference(seed,
     ds = sssd.Datastore.from_tokens(tokens)
     start = int(rng.integers(0, len(t)))
     context = [x for x in t[start : start + ctx_len] if x != SEP] or [1]
-    params = dict(max_match=max_match, max_samples=samples, min_occurrences=min_occ, branch_len=2, end_token=999,
-                  branch_per_match=per_match, max_branch_len=max_branch, match_boost=boost)
+    params = dict(
+        max_match=max_match,
+        max_samples=samples,
+        min_occurrences=min_occ,
+        branch_len=2,
+        end_token=999,
+        branch_per_match=per_match,
+        max_branch_len=max_branch,
+        match_boost=boost,
+    )
     got = ds.query(context, min_match=1, **params)
     want, match_len, total = datastore_query(t, suffix_array(t), context, min_match=1, **params)
     assert got["match_len"] == match_len
@@ -233,6 +255,7 @@ def test_build_rejects_bad_tokens(tmp_path, bad):
 
 # --- corrupt and incompatible files -------------------------------------
 
+
 @pytest.fixture
 def built(tmp_path):
     sssd.Datastore.build(np.array([1, 2, 3, SEP, 1, 2, 4], dtype=np.uint32), tmp_path / "ds")
@@ -332,6 +355,7 @@ def test_open_default_is_the_default_datastore_and_never_builds_it(tmp_path, bui
 
 # --- structural validation at open (bodies whose headers are fine) ----------
 
+
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
     """Runs code in a child interpreter (a crash there fails the test, not the session)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
@@ -374,26 +398,42 @@ def _rewrite_fingerprint(d):
     "corrupt, message",
     [
         # token id 9 >= vocab_size 5 (the header's), fingerprint rewritten to match
-        (lambda d: (_patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 9)), _rewrite_fingerprint(d)),
-         r"tokens\.bin: corrupt: token id 9 at position 2 is outside the vocabulary"),
+        (
+            lambda d: (_patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 9)), _rewrite_fingerprint(d)),
+            r"tokens\.bin: corrupt: token id 9 at position 2 is outside the vocabulary",
+        ),
         # a changed token with the old fingerprint
-        (lambda d: _patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 4)),
-         r"tokens\.bin: corrupt: the token stream does not match the fingerprint"),
+        (
+            lambda d: _patch(d / "tokens.bin", 64 + 4 * 2, struct.pack("<I", 4)),
+            r"tokens\.bin: corrupt: the token stream does not match the fingerprint",
+        ),
         # entry 3 below entry 2
-        (lambda d: _patch(d / "token_index.bin", 64 + 3 * 8, struct.pack("<Q", 1)),
-         r"token_index\.bin: corrupt: entry 3 \(1\) is below entry 2 \(2\)"),
-        (lambda d: _patch(d / "token_index.bin", 64, struct.pack("<Q", 1)),
-         r"token_index\.bin: corrupt: entry 0 is 1, expected 0"),
+        (
+            lambda d: _patch(d / "token_index.bin", 64 + 3 * 8, struct.pack("<Q", 1)),
+            r"token_index\.bin: corrupt: entry 3 \(1\) is below entry 2 \(2\)",
+        ),
+        (
+            lambda d: _patch(d / "token_index.bin", 64, struct.pack("<Q", 1)),
+            r"token_index\.bin: corrupt: entry 0 is 1, expected 0",
+        ),
         # the separator-initial range is one too long
-        (lambda d: _patch(d / "token_index.bin", 64 + 5 * 8, struct.pack("<Q", 5)),
-         r"token_index\.bin: corrupt: entry 5 \(5\) leaves 2 separator-initial suffixes, but the stream has 1"),
+        (
+            lambda d: _patch(d / "token_index.bin", 64 + 5 * 8, struct.pack("<Q", 5)),
+            r"token_index\.bin: corrupt: entry 5 \(5\) leaves 2 separator-initial suffixes, but the stream has 1",
+        ),
         # ranks 0 and 1 ("1 2 3 SEP", "1 2 4") swapped: same first token, out of order
-        (lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 4, 0)),
-         r"suffix_array\.bin: corrupt: the suffixes at ranks 0 and 1 \(positions 4 and 0\) are out of order"),
-        (lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 0, 0)),
-         r"suffix_array\.bin: corrupt: entries 0 and 1 both hold position 0"),
-        (lambda d: _patch(d / "suffix_array.bin", 64 + 4 * 6, struct.pack("<I", 7)),
-         r"suffix_array\.bin: corrupt: entry 6 = 7 is outside the stream of 7 tokens"),
+        (
+            lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 4, 0)),
+            r"suffix_array\.bin: corrupt: the suffixes at ranks 0 and 1 \(positions 4 and 0\) are out of order",
+        ),
+        (
+            lambda d: _patch(d / "suffix_array.bin", 64, struct.pack("<II", 0, 0)),
+            r"suffix_array\.bin: corrupt: entries 0 and 1 both hold position 0",
+        ),
+        (
+            lambda d: _patch(d / "suffix_array.bin", 64 + 4 * 6, struct.pack("<I", 7)),
+            r"suffix_array\.bin: corrupt: entry 6 = 7 is outside the stream of 7 tokens",
+        ),
     ],
 )
 def test_corrupt_bodies_are_refused_at_open_naming_file_and_problem(built, corrupt, message):
@@ -428,6 +468,7 @@ def test_validation_accepts_every_valid_datastore(tmp_path, rng):
 def _by_position_order(tokens: list[int]) -> list[int]:
     """The suffix order of datastores written before the separator became one symbol: suffixes
     that reach a separator together are ordered by its position."""
+
     def key(i):
         out = []
         for p in range(i, len(tokens)):
@@ -435,6 +476,7 @@ def _by_position_order(tokens: list[int]) -> list[int]:
                 return tuple(out) + ((2, p),)
             out.append((1, tokens[p]))
         return tuple(out) + ((0,),)
+
     return sorted(range(len(tokens)), key=key)
 
 
@@ -476,11 +518,14 @@ def test_repeated_entries_inside_long_repeats_are_found(tmp_path):
     r = int(np.flatnonzero(sa == 0)[0])
     assert sa[r - 2 : r + 1].tolist() == [400, 200, 0]
     _patch(tmp_path / "ds" / "suffix_array.bin", 64 + 4 * r, struct.pack("<I", 400))
-    with pytest.raises(ValueError, match=rf"suffix_array\.bin: corrupt: position 400 appears twice \(again at rank {r}\)"):
+    with pytest.raises(
+        ValueError, match=rf"suffix_array\.bin: corrupt: position 400 appears twice \(again at rank {r}\)"
+    ):
         _core.Datastore.open(str(tmp_path / "ds"), num_threads=1)
 
 
 # --- data files that are not regular files ---------------------------------
+
 
 def test_a_fifo_in_place_of_a_data_file_is_refused_without_blocking(built):
     # Opening a FIFO for reading waits for a writer: the open must not.

@@ -48,10 +48,19 @@ VOCAB = 40
 DATA_FILES = ("tokens.bin", "suffix_array.bin", "token_index.bin")
 
 KINDS = (
-    "flip_tokens", "flip_suffix_array", "flip_token_index",
-    "index_shift", "index_shift_off_text", "index_shift_wrap",
-    "sa_swap", "sa_perturb", "sa_shuffle_window", "sa_rotate_window", "sa_swap_and_index_shift",
-    "oov_tokens", "oov_tokens_huge",
+    "flip_tokens",
+    "flip_suffix_array",
+    "flip_token_index",
+    "index_shift",
+    "index_shift_off_text",
+    "index_shift_wrap",
+    "sa_swap",
+    "sa_perturb",
+    "sa_shuffle_window",
+    "sa_rotate_window",
+    "sa_swap_and_index_shift",
+    "oov_tokens",
+    "oov_tokens_huge",
 )
 CASES_PER_KIND = 12
 
@@ -61,12 +70,12 @@ CONFIGS = (
     (dict(max_samples=2, min_occurrences=1000, datastore_branch_len=4, input_max_match=1), (1, 8)),
     (dict(max_samples=100, min_occurrences=20), (64,)),
     (dict(max_samples=16, min_occurrences=1, input_max_match=8, datastore_max_match=4), (1, 16)),
-    (dict(max_samples=50, min_occurrences=0, datastore_branch_len=32, input_max_match=2,
-          end_token=VOCAB - 1), (512,)),
+    (dict(max_samples=50, min_occurrences=0, datastore_branch_len=32, input_max_match=2, end_token=VOCAB - 1), (512,)),
 )
 
 
 # --- corruption (runs in the child) ----------------------------------------
+
 
 def _read(path: Path, dtype) -> np.ndarray:
     return np.fromfile(path, dtype=dtype, offset=HEADER)
@@ -99,8 +108,11 @@ def _corrupt_once(d: Path, kind: str, rng: np.random.Generator) -> None:
         index[a:b] = (index[a:b].astype(np.int64) + (delta or 1)).astype(np.uint64)
 
     if kind.startswith("flip_"):
-        name = {"flip_tokens": "tokens.bin", "flip_suffix_array": "suffix_array.bin",
-                "flip_token_index": "token_index.bin"}[kind]
+        name = {
+            "flip_tokens": "tokens.bin",
+            "flip_suffix_array": "suffix_array.bin",
+            "flip_token_index": "token_index.bin",
+        }[kind]
         raw = bytearray((d / name).read_bytes())
         for _ in range(int(rng.integers(1, 9))):
             pos = int(rng.integers(HEADER, len(raw)))
@@ -202,9 +214,13 @@ def _exercise(ds: sssd.Datastore, contexts: list[list[int]]) -> str:
                 tree = drafter.draft_prefix(contexts[0], budget)
                 _check_tree(tree.tokens, tree.parents, tree.depths, vocab, budget)
             for ctx in contexts[:4]:
-                q = ds.query(ctx, max_match=overrides.get("datastore_max_match", 16),
-                             max_samples=overrides["max_samples"], min_occurrences=overrides["min_occurrences"],
-                             branch_len=overrides.get("datastore_branch_len", 16))
+                q = ds.query(
+                    ctx,
+                    max_match=overrides.get("datastore_max_match", 16),
+                    max_samples=overrides["max_samples"],
+                    min_occurrences=overrides["min_occurrences"],
+                    branch_len=overrides.get("datastore_branch_len", 16),
+                )
                 _check_tree(q["tokens"], q["parents"], None, vocab, distinct=False)
     except ACCEPTED as e:
         return f"raised {type(e).__name__}"
@@ -264,6 +280,7 @@ def _child(spec_path: str) -> None:
 
 # --- the test ------------------------------------------------------------------
 
+
 def _run_children(spec: dict, tmp_path: Path) -> tuple[dict[int, dict], list[str]]:
     """Runs every case in child interpreters, restarting after a crash."""
     results: dict[int, dict] = {}
@@ -275,7 +292,10 @@ def _run_children(spec: dict, tmp_path: Path) -> tuple[dict[int, dict], list[str
         spec_path.write_text(json.dumps({**spec, "cases": pending}))
         proc = subprocess.run(
             [sys.executable, "-c", "import sys, test_datastore_fuzz as m; m._child(sys.argv[1])", str(spec_path)],
-            capture_output=True, text=True, env=env, timeout=600,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
         )
         started = None
         for line in proc.stdout.splitlines():
@@ -291,8 +311,9 @@ def _run_children(spec: dict, tmp_path: Path) -> tuple[dict[int, dict], list[str
             case = next(c for c in pending if c["id"] == started)
             sig = -proc.returncode
             why = signal.Signals(sig).name if 0 < sig < 65 else f"exit {proc.returncode}"
-            crashes.append(f"case {started} ({case['kind']}, seed {case['seed']}): {why}; "
-                           f"stderr tail: {proc.stderr[-400:]!r}")
+            crashes.append(
+                f"case {started} ({case['kind']}, seed {case['seed']}): {why}; stderr tail: {proc.stderr[-400:]!r}"
+            )
             results[started] = {"crashed": why}
         pending = [c for c in pending if c["id"] not in results]
     return results, crashes
@@ -312,8 +333,11 @@ def test_corrupt_datastores_raise_or_draft_valid_trees(tmp_path):
         if ctx:
             contexts.append(ctx)
     contexts += [[int(x) for x in rng.integers(0, VOCAB, k)] for k in (1, 3, 12)]
-    cases = [{"id": i * CASES_PER_KIND + k, "kind": kind, "seed": 1000 * i + k}
-             for i, kind in enumerate(KINDS) for k in range(CASES_PER_KIND)]
+    cases = [
+        {"id": i * CASES_PER_KIND + k, "kind": kind, "seed": 1000 * i + k}
+        for i, kind in enumerate(KINDS)
+        for k in range(CASES_PER_KIND)
+    ]
     work = tmp_path / "work"
     work.mkdir()
     spec = {"base": str(base), "work": str(work), "cases": cases, "contexts": contexts}

@@ -66,8 +66,12 @@ def test_lock_beyond_the_memlock_limit_says_how_to_raise_it(ds):
         lo, hi = ds.native.find(ds.native.tokens()[:2].copy())
         print("FOUND", hi - lo)
     """)
-    proc = subprocess.run(["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", sys.executable, "-c", code],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0 and "setpriv" in proc.stderr:
         pytest.skip(f"setpriv cannot drop capabilities here: {proc.stderr.strip()[:200]}")
     assert proc.returncode == 0, proc.stderr[-2000:]

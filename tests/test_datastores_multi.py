@@ -63,6 +63,7 @@ def stores(tmp_path_factory, plain):
 
 # -- the source and the pipeline, without a model -------------------------------------------------
 
+
 def test_weights_are_conditional_and_multiply_to_the_path_probability(stores, plain):
     ds = sssd.Datastore.open(stores["answers"])
     src = DatastoreSource(ds, sssd.DrafterConfig(vocab_size=93))
@@ -132,6 +133,7 @@ def test_pipeline_adds_and_removes_a_source_for_running_requests(stores, plain):
 
 # -- the engine ---------------------------------------------------------------------------------
 
+
 def test_sssd_llm_takes_a_list_of_datastores(model, stores, plain):
     """sssd.LLM(model, datastore=[A, B]) looks for the packaged calibration by its primary
     datastore and drafts from both."""
@@ -142,8 +144,11 @@ def test_sssd_llm_takes_a_list_of_datastores(model, stores, plain):
 
 
 def test_two_datastores_are_lossless_and_the_extra_one_drafts(model, stores, plain):
-    eng = LLMEngine(model, datastore=[stores["unrelated"], stores["answers"]],
-                    config=EngineConfig(max_model_len=256, budget=8, max_running=2))
+    eng = LLMEngine(
+        model,
+        datastore=[stores["unrelated"], stores["answers"]],
+        config=EngineConfig(max_model_len=256, budget=8, max_running=2),
+    )
     assert [s.name for s in eng.drafting.external] == ["answers"]
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
@@ -153,7 +158,8 @@ def test_two_datastores_are_lossless_and_the_extra_one_drafts(model, stores, pla
     # sampled: the same tokens as plain decoding under the same seed
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     want = LLMEngine(model, datastore=None, config=EngineConfig(speculate=False, max_model_len=256)).generate(
-        PROMPTS, params)
+        PROMPTS, params
+    )
     assert [o.token_ids for o in eng.generate(PROMPTS, params)] == [o.token_ids for o in want]
 
 
@@ -166,6 +172,7 @@ def test_every_datastore_is_checked_against_the_model(model, stores):
 
 # -- the server ---------------------------------------------------------------------------------
 
+
 def admin_server(model, primary, api_key=None, admin=True) -> Server:
     """A server with the admin endpoints (or without, admin=False) over an engine with `primary`."""
     return Server(model, api_key=api_key, app_options={"admin": admin}, datastore=primary, max_running=4)
@@ -173,8 +180,11 @@ def admin_server(model, primary, api_key=None, admin=True) -> Server:
 
 def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
     long_prompt = PROMPTS[2]
-    want = LLMEngine(model, datastore=None, config=EngineConfig(speculate=False, max_model_len=256)).generate(
-        [long_prompt], SamplingParams(max_tokens=150, ignore_eos=True))[0].text
+    want = (
+        LLMEngine(model, datastore=None, config=EngineConfig(speculate=False, max_model_len=256))
+        .generate([long_prompt], SamplingParams(max_tokens=150, ignore_eos=True))[0]
+        .text
+    )
     s = admin_server(model, stores["unrelated"])
     steps = s.engine.step
 
@@ -190,8 +200,17 @@ def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
         chunks, added_at = [], []
 
         def stream():
-            with c.stream("POST", "/v1/completions", json={"prompt": text(long_prompt), "max_tokens": 150,
-                                                           "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            with c.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "prompt": text(long_prompt),
+                    "max_tokens": 150,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         chunks.append((time.monotonic(), json.loads(line[6:])["choices"][0]["text"]))
@@ -209,8 +228,12 @@ def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
         assert any(ts > added_at[0] for ts, _ in chunks), "the datastore was added after the stream ended"
         # the next requests draft from it: its acceptances show under its name
         for p in PROMPTS[:2]:
-            assert c.post("/v1/completions", json={"prompt": text(p), "max_tokens": N, "temperature": 0,
-                                                   "ignore_eos": True}).status_code == 200
+            assert (
+                c.post(
+                    "/v1/completions", json={"prompt": text(p), "max_tokens": N, "temperature": 0, "ignore_eos": True}
+                ).status_code
+                == 200
+            )
         listed = {d["name"]: d for d in c.get("/v1/admin/datastores").json()["data"]}
         assert listed["answers"]["accepted"] > 0 and listed["answers"]["path"] == str(stores["answers"])
         assert 'sssd:accepted_tokens_by_source_total{source="answers"}' in c.get("/metrics").text
@@ -226,8 +249,9 @@ def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
         assert r.status_code == 400 and r.json()["error"]["param"] == "name"
         assert c.get("/health").json()["status"] == "ok"
         assert [d["name"] for d in c.get("/v1/admin/datastores").json()["data"]] == ["datastore", "answers"]
-        r = c.post("/v1/completions", json={"prompt": text(PROMPTS[0]), "max_tokens": N, "temperature": 0,
-                                            "ignore_eos": True})
+        r = c.post(
+            "/v1/completions", json={"prompt": text(PROMPTS[0]), "max_tokens": N, "temperature": 0, "ignore_eos": True}
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text(plain[0])
         # removing: the primary stays, an added one goes, an unknown one is 404
         r = c.delete("/v1/admin/datastores/datastore")
@@ -236,8 +260,9 @@ def test_hot_add_and_remove_while_a_stream_runs(model, stores, plain):
         assert r.status_code == 200 and r.json()["deleted"] is True
         assert c.delete("/v1/admin/datastores/answers").status_code == 404
         assert [d["name"] for d in c.get("/v1/admin/datastores").json()["data"]] == ["datastore"]
-        r = c.post("/v1/completions", json={"prompt": text(PROMPTS[0]), "max_tokens": N, "temperature": 0,
-                                            "ignore_eos": True})
+        r = c.post(
+            "/v1/completions", json={"prompt": text(PROMPTS[0]), "max_tokens": N, "temperature": 0, "ignore_eos": True}
+        )
         assert r.json()["choices"][0]["text"] == text(plain[0])
     finally:
         c.close()
@@ -266,6 +291,7 @@ def test_admin_endpoints_need_the_key_and_the_flag(model, stores):
 
 
 # -- the command line -------------------------------------------------------------------------
+
 
 def test_serve_takes_several_datastores(model, stores, monkeypatch):
     from sssd import cli
@@ -301,8 +327,7 @@ def test_serve_takes_several_datastores(model, stores, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(engine_mod, "LLMEngine", fake_engine)
-    args = parse("--datastore", str(stores["unrelated"]), "--datastore", str(stores["answers"]),
-                 "--drafter", "default")
+    args = parse("--datastore", str(stores["unrelated"]), "--datastore", str(stores["answers"]), "--drafter", "default")
     with pytest.raises(Stop):
         serve._serve(args)
     assert seen["datastore"] == [str(stores["unrelated"]), str(stores["answers"])]

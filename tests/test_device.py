@@ -52,7 +52,8 @@ def test_folded_grouped_query_attention_equals_attention_per_head(heads, kv_head
     v = torch.randn(B, kv_heads, S, D, generator=gen)
     groups = heads // kv_heads
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask)
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
+    )
     bias = attention.fold_mask(mask, groups, q.dtype)
     assert bias.shape == (B, 1, groups * T, S) and bias.stride(-2) % 16 == 0
     got = attention.folded_attention(q, k, v, bias, None)
@@ -118,8 +119,12 @@ def test_an_engine_on_cuda_without_cuda_fails_at_its_config():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_serve_on_cuda_without_cuda_fails_in_one_line_before_loading(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "sssd.cli", "serve", "--device", "cuda", "--datastore", "none"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "sssd.cli", "serve", "--device", "cuda", "--datastore", "none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "device 'cuda'" in lines[0] and "CUDA" in lines[0], r.stderr
@@ -127,6 +132,9 @@ def test_serve_on_cuda_without_cuda_fails_in_one_line_before_loading(tmp_path):
 
 
 def test_a_kv_pool_that_does_not_fit_says_its_sizes(llama):
-    with pytest.raises(MemoryError, match=r"KV pool: .* GiB \(1048576 slots x 1048576 tokens x 2 layers x 2 KV heads"
-                                          r" x 16 x K and V x 4 bytes\).*--max-running"):
+    with pytest.raises(
+        MemoryError,
+        match=r"KV pool: .* GiB \(1048576 slots x 1048576 tokens x 2 layers x 2 KV heads"
+        r" x 16 x K and V x 4 bytes\).*--max-running",
+    ):
         TorchBackend(llama, slots=2**20, capacity=2**20)

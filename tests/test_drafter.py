@@ -39,8 +39,14 @@ def test_batch_draft_equals_single_drafts(store):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), vocab=st.sampled_from([2, 5, 30]),
-       max_match=st.integers(1, 8), branch=st.integers(1, 24), budget=st.sampled_from([1, 7, 32, 100]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 400),
+    vocab=st.sampled_from([2, 5, 30]),
+    max_match=st.integers(1, 8),
+    branch=st.integers(1, 24),
+    budget=st.sampled_from([1, 7, 32, 100]),
+)
 def test_one_shot_drafts_equal_a_request_tries_drafts(store, seed, n, vocab, max_match, branch, budget):
     """draft_prefix builds the input source by one scan of the context instead of a request
     trie: the trees must be the trie's, for repetitive and varied contexts alike."""
@@ -59,8 +65,13 @@ def test_a_per_call_config_drafts_as_a_drafter_built_with_it(store):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 30, int(rng.integers(2, 50))) for _ in range(24)]
     base = sssd.DrafterConfig(budget=16)
-    other = base.replace(datastore_branch_len=5, input_branch_len=7, datastore_max_match=6, min_occurrences=3,
-                         discounts=sssd.DiscountParams(input=sssd.SourceDiscount(scale=0.2)))
+    other = base.replace(
+        datastore_branch_len=5,
+        input_branch_len=7,
+        datastore_max_match=6,
+        min_occurrences=3,
+        discounts=sssd.DiscountParams(input=sssd.SourceDiscount(scale=0.2)),
+    )
     d, ref = sssd.Drafter(store, base), sssd.Drafter(store, other)
     for i, p in enumerate(prompts):
         d.open(i, p)
@@ -81,10 +92,19 @@ def test_one_and_two_threads_draft_identical_trees_for_a_large_batch(store):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 30, int(rng.integers(1, 60))) for _ in range(192)]
     budgets = rng.integers(0, 64, len(prompts))
-    external = sssd.tree.concat([sssd.DraftTree(rng.integers(0, 30, 3), np.array([-1, 0, 0], np.int32),
-                                                np.array([1, 2, 2], np.int32), np.ones(3, np.float32),
-                                                np.full(3, 2, np.uint8), np.full(3, 0.5, np.float32))
-                                 for _ in prompts])
+    external = sssd.tree.concat(
+        [
+            sssd.DraftTree(
+                rng.integers(0, 30, 3),
+                np.array([-1, 0, 0], np.int32),
+                np.array([1, 2, 2], np.int32),
+                np.ones(3, np.float32),
+                np.full(3, 2, np.uint8),
+                np.full(3, 0.5, np.float32),
+            )
+            for _ in prompts
+        ]
+    )
     out = []
     for threads in (1, 2):
         d = sssd.Drafter(store, budget=16, num_threads=threads)
@@ -112,7 +132,9 @@ def test_extend_equals_reopen(store):
 
 def test_draft_equals_algorithm_1_on_the_sources(store):
     """End to end: the drafter's tree == reference merge of the reference sources."""
-    cfg = sssd.DrafterConfig(budget=20, datastore_max_match=3, input_max_match=3, datastore_branch_len=4, input_branch_len=4)
+    cfg = sssd.DrafterConfig(
+        budget=20, datastore_max_match=3, input_max_match=3, datastore_branch_len=4, input_branch_len=4
+    )
     d = sssd.Drafter(store, cfg)
     rng = np.random.default_rng(3)
     ctx = rng.integers(0, 30, 30).tolist()
@@ -120,8 +142,15 @@ def test_draft_equals_algorithm_1_on_the_sources(store):
     native_ds = store.query(ctx, max_match=3, max_samples=100, min_occurrences=20, branch_len=4)
     trees = []
     if native_ds["match_len"]:
-        trees.append({"paths": tree_to_paths(native_ds), "total": native_ds["total"], "source": 0,
-                      "match_len": native_ds["match_len"], "max_depth": 4})
+        trees.append(
+            {
+                "paths": tree_to_paths(native_ds),
+                "total": native_ds["total"],
+                "source": 0,
+                "match_len": native_ds["match_len"],
+                "max_depth": 4,
+            }
+        )
     for L in range(3, 0, -1):
         paths, total = trie_continuations(ctx, L, 3 + 4)
         if paths:
@@ -144,9 +173,18 @@ def test_input_source_alone_copies_repeated_text():
 def test_external_source_carries_draft_probs(store):
     d = sssd.Drafter(store, budget=6)
     d.open(0, [1, 2, 3])
-    ext = sssd.tree.concat([sssd.DraftTree(
-        tokens=np.array([900, 901]), parents=np.array([-1, 0], dtype=np.int32), depths=np.array([1, 2], dtype=np.int32),
-        scores=np.zeros(2, np.float32), sources=np.full(2, 2, np.uint8), draft_probs=np.array([0.9, 0.8], np.float32))])
+    ext = sssd.tree.concat(
+        [
+            sssd.DraftTree(
+                tokens=np.array([900, 901]),
+                parents=np.array([-1, 0], dtype=np.int32),
+                depths=np.array([1, 2], dtype=np.int32),
+                scores=np.zeros(2, np.float32),
+                sources=np.full(2, 2, np.uint8),
+                draft_probs=np.array([0.9, 0.8], np.float32),
+            )
+        ]
+    )
     tree = d.draft([0], 6, external=ext)[0]
     i = tree.tokens.tolist().index(900)
     assert tree.sources[i] == sssd.SOURCE_EXTERNAL and tree.draft_probs[i] == pytest.approx(0.9)
@@ -169,6 +207,7 @@ def test_request_lifecycle(store):
 
 
 # --- bad input ------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "prefix, exc, msg",
@@ -201,7 +240,9 @@ def test_ids_outside_the_vocabulary(store):
 def test_a_datastore_with_ids_outside_the_vocabulary_is_refused(store):
     # Drafts copy the datastore's ids: they must fit the model's vocabulary.
     assert store.native.vocab_size == 30
-    with pytest.raises(ValueError, match=r"datastore holds token ids up to 29, outside the vocabulary \(vocab_size 20\)"):
+    with pytest.raises(
+        ValueError, match=r"datastore holds token ids up to 29, outside the vocabulary \(vocab_size 20\)"
+    ):
         sssd.Drafter(store, vocab_size=20)
     sssd.Drafter(store, vocab_size=20, use_datastore=False)  # not drafted from: fine
     sssd.Drafter(store, vocab_size=30)
@@ -283,6 +324,7 @@ def test_sssd_draft_with_a_datastore_path(small_datastore_dir, words):
 
 # --- concurrency ------------------------------------------------------------
 
+
 def test_concurrent_threads_open_extend_draft_close(store):
     d = sssd.Drafter(store, budget=16)
     errors = []
@@ -346,8 +388,12 @@ def test_drafting_releases_the_gil():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), steps=st.lists(st.integers(0, 6), min_size=1, max_size=12),
-       max_match=st.integers(1, 8), min_occ=st.sampled_from([0, 3, 50]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.lists(st.integers(0, 6), min_size=1, max_size=12),
+    max_match=st.integers(1, 8),
+    min_occ=st.sampled_from([0, 3, 50]),
+)
 def test_stepwise_drafting_equals_drafting_from_scratch(seed, steps, max_match, min_occ):
     """Drafting a request step by step (trie extended incrementally) gives the
     same trees as drafting each context from scratch."""
@@ -374,6 +420,7 @@ def test_stepwise_drafting_equals_drafting_from_scratch(seed, steps, max_match, 
 
 # --- array layouts at the boundary ------------------------------------------
 
+
 def _misaligned(values, dtype) -> np.ndarray:
     """A C-contiguous array whose data starts one byte off its natural alignment."""
     values = np.asarray(values, dtype=dtype)
@@ -395,23 +442,44 @@ def test_misaligned_arrays_are_read_safely(store):
     d.open(8, prompt + [3])
     ids = _misaligned([7, 8], np.uint64)
     budgets = _misaligned([8, 8], np.int32)
-    external = sssd.tree.concat([sssd.DraftTree(np.array([4, 5]), np.array([-1, 0], np.int32), np.array([1, 2], np.int32),
-                                                np.zeros(2, np.float32), np.full(2, 2, np.uint8),
-                                                np.array([0.9, 0.8], np.float32))] * 2)
-    got = d._native.draft(ids, budgets, {"offsets": _misaligned(external.offsets, np.int64),
-                                         "tokens": _misaligned(external.tokens, np.uint32),
-                                         "parents": _misaligned(external.parents, np.int32),
-                                         "probs": _misaligned(external.draft_probs, np.float32)})
+    external = sssd.tree.concat(
+        [
+            sssd.DraftTree(
+                np.array([4, 5]),
+                np.array([-1, 0], np.int32),
+                np.array([1, 2], np.int32),
+                np.zeros(2, np.float32),
+                np.full(2, 2, np.uint8),
+                np.array([0.9, 0.8], np.float32),
+            )
+        ]
+        * 2
+    )
+    got = d._native.draft(
+        ids,
+        budgets,
+        {
+            "offsets": _misaligned(external.offsets, np.int64),
+            "tokens": _misaligned(external.tokens, np.uint32),
+            "parents": _misaligned(external.parents, np.int32),
+            "probs": _misaligned(external.draft_probs, np.float32),
+        },
+    )
     want = d.draft([8, 8], [8, 8], external=external)
     for key in ("offsets", "tokens", "parents", "depths", "scores"):
         np.testing.assert_array_equal(got[key], getattr(want, key))
-    assert d.draft_prefix(_misaligned(prompt + [3], np.uint32), 8).tokens.tolist() == d.draft_prefix(prompt + [3], 8).tokens.tolist()
-    off, nodes = _core.best_chains(_misaligned(want.offsets, np.int64), _misaligned(want.parents, np.int32),
-                                   _misaligned(want.scores, np.float32))
+    assert (
+        d.draft_prefix(_misaligned(prompt + [3], np.uint32), 8).tokens.tolist()
+        == d.draft_prefix(prompt + [3], 8).tokens.tolist()
+    )
+    off, nodes = _core.best_chains(
+        _misaligned(want.offsets, np.int64), _misaligned(want.parents, np.int32), _misaligned(want.scores, np.float32)
+    )
     np.testing.assert_array_equal(nodes, want.best_chains()[1])
 
 
 # --- request ids ----------------------------------------------------------------
+
 
 def test_request_ids_are_the_integers_from_0_to_2_64_everywhere(store):
     big, top = 2**63, 2**64 - 1
@@ -423,8 +491,17 @@ def test_request_ids_are_the_integers_from_0_to_2_64_everywhere(store):
     want = d.draft([5], 8)[0]
     # Every spelling of the ids: lists (mixing >= 2^63 and small ids too),
     # numpy uint64 of both C spellings ('L' and 'Q'), int64, numpy scalars.
-    spellings = ([big], [top, 5], [5, big, 0], np.array([big], dtype=np.uint64), np.asarray([big]),
-                 np.array([5], dtype=np.int64), np.array([5], dtype=np.uint8), np.uint64(top), [np.uint64(big)])
+    spellings = (
+        [big],
+        [top, 5],
+        [5, big, 0],
+        np.array([big], dtype=np.uint64),
+        np.asarray([big]),
+        np.array([5], dtype=np.int64),
+        np.array([5], dtype=np.uint8),
+        np.uint64(top),
+        [np.uint64(big)],
+    )
     for ids in spellings:
         batch = d.draft(ids, 8)
         assert len(batch) == np.asarray(ids).size
@@ -444,9 +521,14 @@ def test_request_ids_are_the_integers_from_0_to_2_64_everywhere(store):
     native.close(big)
 
     for bad in (-1, 2**64, -(2**63)):
-        for call in (lambda: d.open(bad, [1]), lambda: d.draft([bad], 4), lambda: d.close(bad),
-                     lambda: native.open(bad, np.array([1], dtype=np.uint32)), lambda: native.close(bad),
-                     lambda: d.extend_batch([0, bad], [[1], [1]])):
+        for call in (
+            lambda: d.open(bad, [1]),
+            lambda: d.draft([bad], 4),
+            lambda: d.close(bad),
+            lambda: native.open(bad, np.array([1], dtype=np.uint32)),
+            lambda: native.close(bad),
+            lambda: d.extend_batch([0, bad], [[1], [1]]),
+        ):
             with pytest.raises(ValueError, match=r"request ids must be >= 0 and < 2\^64, got"):
                 call()
     with pytest.raises(ValueError, match="got -1"):
@@ -492,9 +574,11 @@ def test_drafting_from_text_needs_no_torch_or_transformers(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np, sssd\n"
-            "ds = sssd.Datastore.from_tokens(np.array([3, 4, 5, 3, 4, 6], dtype=np.uint32))\n"
-            "sssd.draft([3, 4], datastore=ds)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))\n")
+    code = (
+        "import sys, numpy as np, sssd\n"
+        "ds = sssd.Datastore.from_tokens(np.array([3, 4, 5, 3, 4, 6], dtype=np.uint32))\n"
+        "sssd.draft([3, 4], datastore=ds)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -46,8 +46,10 @@ def reference(model):
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            g = ref.generate(torch.tensor(p)[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(g[0, len(p):].tolist())
+            g = ref.generate(
+                torch.tensor(p)[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            out.append(g[0, len(p) :].tolist())
     return out
 
 
@@ -76,7 +78,9 @@ def engine(model, datastore=None, **cfg):
 @pytest.mark.parametrize("budget, running", [(None, 4), (1, 1), (6, 2), (24, 4)])
 def test_greedy_is_token_identical(model, reference, budget, running):
     spec = budget is not None
-    eng = engine(model, corpus_datastore(reference) if spec else None, speculate=spec, budget=budget, max_running=running)
+    eng = engine(
+        model, corpus_datastore(reference) if spec else None, speculate=spec, budget=budget, max_running=running
+    )
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference
     if spec:
@@ -89,8 +93,10 @@ def test_greedy_is_token_identical(model, reference, budget, running):
 def test_continuous_batching_admits_and_retires_mid_flight(llama):
     """Requests arriving while others decode get the same outputs as alone."""
     prompts = [PROMPTS[i % len(PROMPTS)] + [i + 3] for i in range(9)]
-    alone = [engine(llama, speculate=False).generate([p], SamplingParams(max_tokens=12 + i, ignore_eos=True))[0].token_ids
-             for i, p in enumerate(prompts)]
+    alone = [
+        engine(llama, speculate=False).generate([p], SamplingParams(max_tokens=12 + i, ignore_eos=True))[0].token_ids
+        for i, p in enumerate(prompts)
+    ]
     eng = engine(llama, None, speculate=True, budget=8, max_running=3, prefill_chunk=4)
     ids, done = {}, {}
     pending = list(enumerate(prompts))
@@ -108,7 +114,9 @@ def test_continuous_batching_admits_and_retires_mid_flight(llama):
 def test_chunked_prefill_matches(llama):
     long_prompt = [(7 * i) % 90 + 3 for i in range(70)]
     want = engine(llama, speculate=False, prefill_chunk=512).generate([long_prompt], SamplingParams(max_tokens=10))[0]
-    got = engine(llama, speculate=True, budget=4, prefill_chunk=5).generate([long_prompt], SamplingParams(max_tokens=10))[0]
+    got = engine(llama, speculate=True, budget=4, prefill_chunk=5).generate(
+        [long_prompt], SamplingParams(max_tokens=10)
+    )[0]
     assert got.token_ids == want.token_ids
 
 
@@ -205,8 +213,10 @@ def test_not_a_causal_lm_is_refused(tmp_path):
 def test_sampling_with_a_seed_is_identical_with_and_without_speculation(model, reference):
     """Each emitted token is one draw from the target's distribution at its
     position, in the same order: the same seed gives the same text."""
-    params = [SamplingParams(max_tokens=25, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
-              for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20), (0.9, 0.8, 10)])]
+    params = [
+        SamplingParams(max_tokens=25, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
+        for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20), (0.9, 0.8, 10)])
+    ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     plain = engine(model, speculate=False, max_running=4).generate(prompts, params)
     spec = engine(model, corpus_datastore(reference), budget=16, max_running=4).generate(prompts, params)
@@ -227,9 +237,9 @@ def test_sampled_sequences_follow_the_models_distribution(llama):
         with torch.no_grad():
             p1 = torch.softmax(ref(torch.tensor(prompt)[None]).logits[0, -1] / t, -1)
             out = {}
-            for t1 in ([a for a, _ in pairs] if pairs else torch.topk(p1, 6).indices.tolist()):
+            for t1 in [a for a, _ in pairs] if pairs else torch.topk(p1, 6).indices.tolist():
                 p2 = torch.softmax(ref(torch.tensor(prompt + [t1])[None]).logits[0, -1] / t, -1)
-                for t2 in ([b for a, b in pairs if a == t1] if pairs else torch.topk(p2, 4).indices.tolist()):
+                for t2 in [b for a, b in pairs if a == t1] if pairs else torch.topk(p2, 4).indices.tolist():
                     out[(t1, t2)] = float(p1[t1] * p2[t2])
             return out
 
@@ -239,8 +249,9 @@ def test_sampled_sequences_follow_the_models_distribution(llama):
     ds = sssd.Datastore.from_tokens(np.array(stream, dtype=np.uint32))
     eng = engine(llama, ds, budget=24, max_running=64)
     n = 4000
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
-                                       for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     accepted = sum(o.stats["accepted"] for o in outs)
     assert accepted > n // 4, "many tokens should come from the tree"
     counts = {}

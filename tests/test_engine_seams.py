@@ -36,6 +36,7 @@ def plain_outputs(llama):
 
 # -- random trees and brute-force references ------------------------------------------------------------
 
+
 def random_drafts(rng, B, max_nodes=20, vocab=12) -> DraftBatch:
     trees = []
     for _ in range(B):
@@ -53,8 +54,16 @@ def random_drafts(rng, B, max_nodes=20, vocab=12) -> DraftBatch:
             tokens.append(t)
             depths.append(1 if p < 0 else depths[p] + 1)
         m = len(tokens)
-        trees.append(sssd.DraftTree(np.array(tokens, np.int64), np.array(parents, np.int32), np.array(depths, np.int32),
-                                    np.ones(m, np.float32), np.zeros(m, np.uint8), np.full(m, np.nan, np.float32)))
+        trees.append(
+            sssd.DraftTree(
+                np.array(tokens, np.int64),
+                np.array(parents, np.int32),
+                np.array(depths, np.int32),
+                np.ones(m, np.float32),
+                np.zeros(m, np.uint8),
+                np.full(m, np.nan, np.float32),
+            )
+        )
     return concat(trees)
 
 
@@ -81,10 +90,10 @@ def test_packed_mask_equals_the_per_tree_ancestor_masks(rng):
         vis = batch.visible()
         for b in range(B):
             tree, n, c = drafts[b], 1 + len(drafts[b]), int(cached[b])
-            assert vis[b, :n, :c].all()                                        # the whole cached context
+            assert vis[b, :n, :c].all()  # the whole cached context
             assert (vis[b, :n, c : c + n] == ancestor_mask(tree.parents)).all()  # exactly its ancestors
             assert not vis[b, :n, c + n :].any()
-            for i in range(n, batch.shape[1]):                                 # padding sees only itself
+            for i in range(n, batch.shape[1]):  # padding sees only itself
                 assert np.flatnonzero(vis[b, i]).tolist() == [c + i]
             assert (batch.positions[b, 1:n] == c + tree.depths).all() and batch.positions[b, 0] == c
 
@@ -92,7 +101,7 @@ def test_packed_mask_equals_the_per_tree_ancestor_masks(rng):
 def test_greedy_acceptance_equals_the_per_node_walk(rng):
     for _ in range(50):
         B = int(rng.integers(1, 7))
-        drafts = random_drafts(rng, B, vocab=4)      # a small vocabulary: long accepted paths
+        drafts = random_drafts(rng, B, vocab=4)  # a small vocabulary: long accepted paths
         batch = pack(rng.integers(0, 4, B), np.zeros(B, np.int64), drafts)
         argmax = rng.integers(0, 4, batch.shape)
         acc = accept_greedy(batch, argmax)
@@ -114,8 +123,9 @@ def test_sampling_walk_follows_the_drawn_tokens(rng):
         logits.scatter_(2, torch.from_numpy(forced)[..., None], 0.0)
         rows = np.arange(B)
         samplers = [Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(b)) for b in range(B)]
-        acc, errors = accept_sampled(batch, rows, samplers, lambda r, i: logits[torch.from_numpy(r), torch.from_numpy(i)],
-                                     torch.Generator())
+        acc, errors = accept_sampled(
+            batch, rows, samplers, lambda r, i: logits[torch.from_numpy(r), torch.from_numpy(i)], torch.Generator()
+        )
         assert errors == [None] * B
         for b in range(B):
             path, bonus = brute_greedy(drafts[b], lambda i: forced[b, i])
@@ -138,6 +148,7 @@ def test_compaction_moves_every_accepted_path_in_one_call(llama):
 
 
 # -- the engine with draft sources ----------------------------------------------------------------------
+
 
 class Oracle(DraftSource):
     """Proposes the plain continuation (known in advance): every candidate should be accepted."""
@@ -164,8 +175,13 @@ class Oracle(DraftSource):
                 continue
             n = len(cont)
             # a chain, plus a wrong sibling at the first level
-            out.append(Candidates(np.array(cont + [(cont[0] + 1) % 90 + 3]), np.array(list(range(-1, n - 1)) + [-1]),
-                                  np.array([0.9] * n + [0.1], np.float32)))
+            out.append(
+                Candidates(
+                    np.array(cont + [(cont[0] + 1) % 90 + 3]),
+                    np.array(list(range(-1, n - 1)) + [-1]),
+                    np.array([0.9] * n + [0.1], np.float32),
+                )
+            )
         return out
 
 
@@ -179,8 +195,12 @@ def test_a_users_source_plugs_in_and_keeps_greedy_identical(llama, plain_outputs
 
 
 def test_a_users_source_beside_retrieval(llama, plain_outputs):
-    eng = LLMEngine(llama, datastore=None, draft=["retrieval", Oracle(plain_outputs, PROMPTS)],
-                    config=EngineConfig(max_model_len=256, budget=12))
+    eng = LLMEngine(
+        llama,
+        datastore=None,
+        draft=["retrieval", Oracle(plain_outputs, PROMPTS)],
+        config=EngineConfig(max_model_len=256, budget=12),
+    )
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
 
@@ -207,17 +227,20 @@ class Broken(DraftSource):
             raise RuntimeError("the drafter fell over")
         if self.how == "count":
             return []
-        bad = {"vocab": Candidates(np.array([10**6]), np.array([-1])),
-               "shape": Candidates(np.array([[5, 6]]), np.array([-1, 0])),
-               "parents": Candidates(np.array([5, 6]), np.array([1, -1])),
-               "probs": Candidates(np.array([5]), np.array([-1]), np.array([7.0]))}[self.how]
+        bad = {
+            "vocab": Candidates(np.array([10**6]), np.array([-1])),
+            "shape": Candidates(np.array([[5, 6]]), np.array([-1, 0])),
+            "parents": Candidates(np.array([5, 6]), np.array([1, -1])),
+            "probs": Candidates(np.array([5]), np.array([-1]), np.array([7.0])),
+        }[self.how]
         return [bad for _ in requests]
 
 
 @pytest.mark.parametrize("how", ["raise", "count", "vocab", "shape", "parents", "probs"])
 def test_a_failing_source_costs_only_its_drafts(llama, plain_outputs, how):
-    eng = LLMEngine(llama, datastore=None, draft=["retrieval", Broken(how)], config=EngineConfig(max_model_len=256,
-                                                                                              budget=6))
+    eng = LLMEngine(
+        llama, datastore=None, draft=["retrieval", Broken(how)], config=EngineConfig(max_model_len=256, budget=6)
+    )
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
     assert all(o.finish_reason == "length" for o in outs)
@@ -246,8 +269,9 @@ def test_unknown_draft_kinds_are_named_with_the_known_ones():
 def test_batched_greedy_equals_single_as_requests_join_and_leave(llama, plain_outputs, budget):
     """Requests of different lengths join every few steps and leave when done; each output is
     its plain, single-request output, at every budget."""
-    eng = LLMEngine(llama, datastore=None, config=EngineConfig(max_model_len=256, budget=budget, max_running=3,
-                                                               prefill_chunk=6))
+    eng = LLMEngine(
+        llama, datastore=None, config=EngineConfig(max_model_len=256, budget=budget, max_running=3, prefill_chunk=6)
+    )
     lengths = [40, 12, 25, 40, 7]
     ids, done, pending = {}, {}, list(enumerate(PROMPTS))
     while pending or eng.has_unfinished():
@@ -261,6 +285,7 @@ def test_batched_greedy_equals_single_as_requests_join_and_leave(llama, plain_ou
 
 
 # -- incremental text ---------------------------------------------------------------------------------
+
 
 def test_incremental_text_equals_full_decoding_and_cuts_at_stop_strings(llama):
     from transformers import AutoTokenizer

@@ -19,8 +19,9 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     import os
 
     env = dict(os.environ, SSSD_LINEAR_PLAN="off")  # the CPU's linear-layer plan is no part of this check
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=cwd,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
+    )
 
 
 def test_the_device_run_runs_on_the_cpu_at_tiny_shapes(tmp_path):

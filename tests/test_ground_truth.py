@@ -17,11 +17,15 @@ from sssd.calibration.datasets import PromptRecord  # noqa: E402
 from sssd.calibration.replay import Example  # noqa: E402
 from sssd.commands._generate import generate  # noqa: E402
 
-WORDS = ("the a cat dog sat on mat and ran to house big small red blue one two three four five is was of in it "
-         "what why how do you think").split()
+WORDS = (
+    "the a cat dog sat on mat and ran to house big small red blue one two three four five is was of in it "
+    "what why how do you think"
+).split()
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 EOT = 2  # <|im_end|>
 
 
@@ -34,17 +38,32 @@ def _tokenizer(extra_words: tuple[str, ...] = ()):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
-                                   pad_token="<|endoftext|>", chat_template=TEMPLATE), len(vocab)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        chat_template=TEMPLATE,
+    ), len(vocab)
 
 
 def _make_model(folder, seed: int = 0, extra_words: tuple[str, ...] = ()):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_tok, vocab_size = _tokenizer(extra_words)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=EOT, pad_token_id=3, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOT,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(folder)
@@ -59,10 +78,14 @@ def tiny_model(tmp_path_factory):
 
 
 def _records(n: int = 3) -> list[PromptRecord]:
-    texts = ["the cat sat on the mat", "why do you think the dog ran", "one two three four five",
-             "what is big and red", "how was the house"]
-    return [PromptRecord(f"p{i}", "toy", [{"role": "user", "content": texts[i % len(texts)]}], None)
-            for i in range(n)]
+    texts = [
+        "the cat sat on the mat",
+        "why do you think the dog ran",
+        "one two three four five",
+        "what is big and red",
+        "how was the house",
+    ]
+    return [PromptRecord(f"p{i}", "toy", [{"role": "user", "content": texts[i % len(texts)]}], None) for i in range(n)]
 
 
 def _lines(path):
@@ -86,7 +109,7 @@ def test_greedy_generate_equals_uncached_argmax(tiny_model):
     with torch.no_grad():
         for _ in range(12):
             seq.append(int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    assert out == seq[len(ids):]
+    assert out == seq[len(ids) :]
 
 
 def test_greedy_generate_stops_on_a_stop_token_and_keeps_it(tiny_model):
@@ -102,8 +125,15 @@ def test_greedy_generate_stops_on_a_stop_token_and_keeps_it(tiny_model):
 def test_prompt_uses_the_chat_template_with_generation_prompt(tiny_model):
     _, tok = _load(tiny_model)
     ids = gt.prompt_ids(tok, [{"role": "user", "content": "the cat"}])
-    assert tok.convert_ids_to_tokens(ids) == ["<|im_start|>", "user", "the", "cat", "<|im_end|>", "<|im_start|>",
-                                              "assistant"]
+    assert tok.convert_ids_to_tokens(ids) == [
+        "<|im_start|>",
+        "user",
+        "the",
+        "cat",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+    ]
     assert gt.stop_ids(tok) == [EOT, 3]  # EOS and <|endoftext|>; unknown names are not mapped to <unk>
     assert gt.end_of_turn_id(tok) == EOT
 
@@ -129,10 +159,12 @@ def test_generate_writes_header_and_records(tiny_model, tmp_path):
 
 def test_engine_and_plain_greedy_write_the_same_outputs(tiny_model, tmp_path):
     recs = _records(5)
-    plain = generate(str(tiny_model), recs, tmp_path / "plain.jsonl", max_new_tokens=16, engine="transformers",
-                     progress=False)
-    fast = generate(str(tiny_model), recs, tmp_path / "fast.jsonl", max_new_tokens=16, engine="sssd",
-                    batch_size=2, progress=False)
+    plain = generate(
+        str(tiny_model), recs, tmp_path / "plain.jsonl", max_new_tokens=16, engine="transformers", progress=False
+    )
+    fast = generate(
+        str(tiny_model), recs, tmp_path / "fast.jsonl", max_new_tokens=16, engine="sssd", batch_size=2, progress=False
+    )
     (hp, *rp), (hf, *rf) = _lines(plain.path), _lines(fast.path)
     assert hp["generation"]["engine"] == "transformers" and hf["generation"]["engine"] == "sssd"
     assert hp["generation"]["stop_ids"] == hf["generation"]["stop_ids"]
@@ -153,8 +185,9 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model, tmp_path):
     assert again.skipped == 1 and again.new == 3 and again.total == 4
     a, b = _lines(full)[1:], _lines(part)[1:]
     assert [r["id"] for r in b] == ["p0", "p1", "p2", "p3"]
-    assert [(r["prompt_ids"], r["output_ids"], r["finish"]) for r in a] == \
-           [(r["prompt_ids"], r["output_ids"], r["finish"]) for r in b]
+    assert [(r["prompt_ids"], r["output_ids"], r["finish"]) for r in a] == [
+        (r["prompt_ids"], r["output_ids"], r["finish"]) for r in b
+    ]
     # A finished file: a rerun does nothing.
     assert generate(str(tiny_model), _records(4), part, max_new_tokens=5, progress=False).new == 0
 
@@ -203,8 +236,11 @@ def test_groundtruth_from_another_tokenizer_is_refused(tiny_model, tmp_path):
     # A datastore recording another tokenizer is refused too.
     import sssd
 
-    ds = sssd.Datastore.build(np.array([4, 5, 6, sssd.SEPARATOR], dtype=np.uint32), tmp_path / "ds",
-                              metadata={"tokenizer": {"name": "other", "sha256": "0" * 64, "vocab_size": 9}})
+    ds = sssd.Datastore.build(
+        np.array([4, 5, 6, sssd.SEPARATOR], dtype=np.uint32),
+        tmp_path / "ds",
+        metadata={"tokenizer": {"name": "other", "sha256": "0" * 64, "vocab_size": 9}},
+    )
     with pytest.raises(ValueError, match="tokenizer mismatch"):
         gt.load_groundtruth(out, tokenizer=ds)
 
@@ -217,9 +253,19 @@ def test_not_a_groundtruth_file(tmp_path):
 
 
 def test_record_writes_recorded_answers_with_end_of_turn(tiny_model, tmp_path):
-    recs = [PromptRecord("c1", "chat", [{"role": "user", "content": "the cat"}], "a dog sat on it"),
-            PromptRecord("c2", "chat", [{"role": "user", "content": "what"}, {"role": "assistant", "content": "it"},
-                                         {"role": "user", "content": "why"}], "one two three")]
+    recs = [
+        PromptRecord("c1", "chat", [{"role": "user", "content": "the cat"}], "a dog sat on it"),
+        PromptRecord(
+            "c2",
+            "chat",
+            [
+                {"role": "user", "content": "what"},
+                {"role": "assistant", "content": "it"},
+                {"role": "user", "content": "why"},
+            ],
+            "one two three",
+        ),
+    ]
     out = tmp_path / "rec.jsonl"
     summary = gt.record(str(tiny_model), recs, out, progress=False)
     assert summary.total == 2 and summary.finish == {"eos": 2}
@@ -242,8 +288,11 @@ def test_second_turn_follows_the_models_first_answer(tiny_model, tmp_path):
     assert (t1["id"], t2["id"]) == ("mtbench/7", "mtbench/7#2")
     _, tok = _load(tiny_model)
     answer = tok.decode([t for t in t1["output_ids"] if t not in (EOT, 3)], skip_special_tokens=True)
-    msgs = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": answer},
-            {"role": "user", "content": "why"}]
+    msgs = [
+        {"role": "user", "content": "the cat sat"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "why"},
+    ]
     assert t2["prompt_ids"] == gt.prompt_ids(tok, msgs)
 
 
@@ -257,14 +306,17 @@ def test_contamination_sidecar(tiny_model, tmp_path):
     import sssd
     from sssd.tokenizer import load_tokenizer
 
-    recs = [PromptRecord("c1", "chat", [{"role": "user", "content": "the cat"}], "a dog sat on it"),
-            PromptRecord("c2", "chat", [{"role": "user", "content": "what"}], "one two three")]
+    recs = [
+        PromptRecord("c1", "chat", [{"role": "user", "content": "the cat"}], "a dog sat on it"),
+        PromptRecord("c2", "chat", [{"role": "user", "content": "what"}], "one two three"),
+    ]
     out = tmp_path / "rec.jsonl"
     gt.record(str(tiny_model), recs, out, progress=False)
     tok = load_tokenizer(str(tiny_model))
     stream = tok.encode("big red a dog sat on it blue") + [sssd.SEPARATOR] + tok.encode("one two") + [sssd.SEPARATOR]
-    ds = sssd.Datastore.build(np.array(stream, dtype=np.uint32), tmp_path / "ds",
-                              metadata={"tokenizer": tok.identity()})
+    ds = sssd.Datastore.build(
+        np.array(stream, dtype=np.uint32), tmp_path / "ds", metadata={"tokenizer": tok.identity()}
+    )
     report, sidecar = gt.write_contamination(out, str(ds.path), window=3)
     fr = gt.load_contamination(out)
     assert fr == {"c1": 1.0, "c2": 0.0}  # "one two three": its only 3-window is not in the datastore
@@ -276,19 +328,36 @@ def test_cli_groundtruth(tiny_model, tmp_path, capsys):
     from sssd.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": t}) for i, t in
-                                 enumerate(["the cat", "a dog ran"])) + "\n")
+    prompts.write_text(
+        "\n".join(json.dumps({"id": f"q{i}", "prompt": t}) for i, t in enumerate(["the cat", "a dog ran"])) + "\n"
+    )
     out = tmp_path / "cli.jsonl"
-    rc = main(["groundtruth", "--prompts", str(prompts), "--model", str(tiny_model), "-o", str(out),
-               "--max-new-tokens", "3", "-q"])
+    rc = main(
+        [
+            "groundtruth",
+            "--prompts",
+            str(prompts),
+            "--model",
+            str(tiny_model),
+            "-o",
+            str(out),
+            "--max-new-tokens",
+            "3",
+            "-q",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["records"] == 2 and summary["new"] == 2
     assert [r["id"] for r in _lines(out)[1:]] == ["q0", "q1"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert main(["groundtruth", "--prompts", str(empty), "--model", str(tiny_model), "-o", str(tmp_path / "e.jsonl"),
-                 "-q"]) == 1
+    assert (
+        main(
+            ["groundtruth", "--prompts", str(empty), "--model", str(tiny_model), "-o", str(tmp_path / "e.jsonl"), "-q"]
+        )
+        == 1
+    )
     assert "empty prompt set" in capsys.readouterr().err
     assert main(["groundtruth", "--prompts", str(prompts), "--model", str(tmp_path / "nope"), "-q"]) == 1
     assert "unknown model" in capsys.readouterr().err
@@ -303,8 +372,27 @@ def test_cli_groundtruth_takes_one_side_of_the_split_before_the_limit(tiny_model
     prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "the cat"}) for i in ids) + "\n")
     for part in ("dev", "eval"):
         out = tmp_path / f"{part}.jsonl"
-        assert main(["groundtruth", "--prompts", str(prompts), "--model", str(tiny_model), "-o", str(out),
-                     "--max-new-tokens", "1", "--split", part, "--limit", "3", "-q"]) == 0
+        assert (
+            main(
+                [
+                    "groundtruth",
+                    "--prompts",
+                    str(prompts),
+                    "--model",
+                    str(tiny_model),
+                    "-o",
+                    str(out),
+                    "--max-new-tokens",
+                    "1",
+                    "--split",
+                    part,
+                    "--limit",
+                    "3",
+                    "-q",
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
         want = [i for i in ids if split_of(i) == part][:3]
         assert len(want) == 3 and [r["id"] for r in _lines(out)[1:]] == want

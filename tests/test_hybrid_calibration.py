@@ -55,16 +55,21 @@ def test_the_estimate_it_follows_is_what_the_engine_measures(llama, other, examp
     """Retrieval (the requests' own tokens) + a draft model at one discount, through the engine:
     tokens per step equal the fit's estimate for that discount (it is the grid's first)."""
     disc = SourceDiscount(scale=0.5, depth_decay=0.9)
-    eng = LLMEngine(llama, datastore=None, draft=["retrieval", drafter(other, discount=disc)],
-                    config=EngineConfig(max_model_len=256, max_running=len(PROMPTS), budget=BUDGET))
+    eng = LLMEngine(
+        llama,
+        datastore=None,
+        draft=["retrieval", drafter(other, discount=disc)],
+        config=EngineConfig(max_model_len=256, max_running=len(PROMPTS), budget=BUDGET),
+    )
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_OUT, ignore_eos=True))
     assert [o.token_ids for o in outs] == [e.output.tolist() for e in examples]  # lossless, as everywhere
     steps = sum(o.stats["steps"] for o in outs)
     engine_mat = sum(len(o.token_ids) for o in outs) / steps
 
     grid = [disc, SourceDiscount(scale=4.0), SourceDiscount(scale=0.1)]
-    fit = fit_source_discount(examples, None, eng.drafting.config, drafter(other), BUDGET, grid,
-                              batch_size=len(PROMPTS))
+    fit = fit_source_discount(
+        examples, None, eng.drafting.config, drafter(other), BUDGET, grid, batch_size=len(PROMPTS)
+    )
     assert fit.steps == steps
     assert fit.reference_mat == pytest.approx(engine_mat, rel=1e-12)
     assert [d for d, _ in fit.grid] == grid
@@ -74,8 +79,9 @@ def test_a_perfect_drafter_is_trusted_and_an_unrelated_one_is_not(llama, other, 
     """The target drafting for itself: every main-chain node is right, so ranking its nodes first
     can only help (the largest scale scores at least the smallest, and beats retrieval alone).
     Unrelated weights: its nodes crowd out retrieval's, so the smallest scale scores best."""
-    cfg = LLMEngine(llama, datastore=None, draft=["retrieval"],
-                    config=EngineConfig(max_model_len=256, budget=BUDGET)).drafting.config
+    cfg = LLMEngine(
+        llama, datastore=None, draft=["retrieval"], config=EngineConfig(max_model_len=256, budget=BUDGET)
+    ).drafting.config
     grid = discount_grid(SourceDiscount(), scales=(0.01, 1.0, 100.0), decays=(1.0,))
     self_fit = fit_source_discount(examples, None, cfg, drafter(llama), BUDGET, grid, batch_size=2)
     by_scale = {d.scale: m for d, m in self_fit.grid}
@@ -89,8 +95,13 @@ def test_a_perfect_drafter_is_trusted_and_an_unrelated_one_is_not(llama, other, 
 
 
 def _file(tmp_path, sources) -> CalibrationFile:
-    d = {"format": "sssd-calibration", "version": 1, "default_budget": 8,
-         "budgets": {"8": {"config": {"budget": 8}, "calibrated": False}}, "sources": sources}
+    d = {
+        "format": "sssd-calibration",
+        "version": 1,
+        "default_budget": 8,
+        "budgets": {"8": {"config": {"budget": 8}, "calibrated": False}},
+        "sources": sources,
+    }
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(d))
     return CalibrationFile.load(path)
@@ -99,8 +110,15 @@ def _file(tmp_path, sources) -> CalibrationFile:
 def test_the_fitted_discount_reaches_the_merge(llama, tmp_path):
     fitted = SourceDiscount(scale=0.25, depth_decay=0.8)
     d = drafter(llama, name="model:mine")
-    cal = _file(tmp_path, {"model:mine": {"discount": {"scale": 0.25, "depth_decay": 0.8, "match_damping": 1.0,
-                                                       "full_match": 1}, "mat": 2.0}})
+    cal = _file(
+        tmp_path,
+        {
+            "model:mine": {
+                "discount": {"scale": 0.25, "depth_decay": 0.8, "match_damping": 1.0, "full_match": 1},
+                "mat": 2.0,
+            }
+        },
+    )
     assert cal.sources == {"model:mine": fitted}
     pipe = DraftPipeline([RetrievalSource(None), d], cal)
     assert pipe.discount_of(d) == fitted and pipe._discounts == (fitted,)
@@ -109,12 +127,15 @@ def test_the_fitted_discount_reaches_the_merge(llama, tmp_path):
     assert DraftPipeline([RetrievalSource(None), other], cal).discount_of(other) == other.discount
 
 
-@pytest.mark.parametrize("sources, message", [
-    ([1], "sources is not an object"),
-    ({"model:x": {"mat": 2}}, "no \"discount\" object"),
-    ({"model:x": {"discount": {"scale": -1.0}}}, "positive finite"),
-    ({"model:x": {"discount": {"scale": 1.0, "bogus": 2}}}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "sources, message",
+    [
+        ([1], "sources is not an object"),
+        ({"model:x": {"mat": 2}}, 'no "discount" object'),
+        ({"model:x": {"discount": {"scale": -1.0}}}, "positive finite"),
+        ({"model:x": {"discount": {"scale": 1.0, "bogus": 2}}}, "bogus"),
+    ],
+)
 def test_a_malformed_sources_entry_is_refused(tmp_path, sources, message):
     with pytest.raises(ValueError, match=message):
         _file(tmp_path, sources)

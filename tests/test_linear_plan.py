@@ -181,8 +181,12 @@ def test_speculation_is_lossless_on_either_kernel(llama, ratio):
     docs = [p + w for p, w in zip(prompts, want)]
     ds = sssd.Datastore.from_tokens(np.array([t for d in docs for t in d + [sssd.SEPARATOR]], dtype=np.uint32))
     for budget, running in [(4, 1), (16, 4)]:
-        spec = LLMEngine(llama, datastore=ds, backend=plain.backend,
-                         config=EngineConfig(max_model_len=256, budget=budget, max_running=running))
+        spec = LLMEngine(
+            llama,
+            datastore=ds,
+            backend=plain.backend,
+            config=EngineConfig(max_model_len=256, budget=budget, max_running=running),
+        )
         outs = spec.generate(prompts, params)
         assert [o.token_ids for o in outs] == want
         assert sum(o.stats["accepted"] for o in outs) > 20

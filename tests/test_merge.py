@@ -26,15 +26,17 @@ def source_trees(draw):
             tokens.append(tok)
             parents.append(p)
             weights.append(float(draw(st.integers(1, 20))))
-        trees.append({
-            "tokens": np.array(tokens, dtype=np.uint32),
-            "parents": np.array(parents, dtype=np.int32),
-            "weights": np.array(weights, dtype=np.float64),
-            "total": float(draw(st.integers(1, 40))),
-            "source": draw(st.integers(0, 2)),
-            "match_len": draw(st.integers(0, 4)),
-            "max_depth": draw(st.integers(1, 6)),
-        })
+        trees.append(
+            {
+                "tokens": np.array(tokens, dtype=np.uint32),
+                "parents": np.array(parents, dtype=np.int32),
+                "weights": np.array(weights, dtype=np.float64),
+                "total": float(draw(st.integers(1, 40))),
+                "source": draw(st.integers(0, 2)),
+                "match_len": draw(st.integers(0, 4)),
+                "max_depth": draw(st.integers(1, 6)),
+            }
+        )
     return trees
 
 
@@ -51,7 +53,12 @@ def _paths(tree):
 @given(trees=source_trees(), budget=st.integers(0, 30), decay=st.floats(0.3, 1.0), scale=st.floats(0.1, 2.0))
 def test_merge_matches_reference(trees, budget, decay, scale):
     M, D = 4, 6
-    factors = np.array([[[scale * (s + 1) * decay ** d * (0.9 ** (M - m)) for d in range(D + 1)] for m in range(M + 1)] for s in range(3)])
+    factors = np.array(
+        [
+            [[scale * (s + 1) * decay**d * (0.9 ** (M - m)) for d in range(D + 1)] for m in range(M + 1)]
+            for s in range(3)
+        ]
+    )
     table = _core.ScoreTable(M, D, factors.ravel())
     got = _core.merge_trees(trees, table, budget)
     ref_trees = [{**t, "paths": _paths(t)} for t in trees]
@@ -85,8 +92,15 @@ def test_single_source_gives_the_top_budget_nodes(trees, budget):
 
 
 def test_identical_candidates_merge_without_spending_budget():
-    a = {"tokens": np.array([1, 2], dtype=np.uint32), "parents": np.array([-1, 0], dtype=np.int32),
-         "weights": np.array([4.0, 4.0]), "total": 4.0, "source": 0, "match_len": 1, "max_depth": 4}
+    a = {
+        "tokens": np.array([1, 2], dtype=np.uint32),
+        "parents": np.array([-1, 0], dtype=np.int32),
+        "weights": np.array([4.0, 4.0]),
+        "total": 4.0,
+        "source": 0,
+        "match_len": 1,
+        "max_depth": 4,
+    }
     b = {**a, "tokens": np.array([1, 3], dtype=np.uint32), "source": 1}
     table = _core.ScoreTable(1, 4, np.ones(3 * 2 * 5))
     got = _core.merge_trees([a, b], table, 3)
@@ -98,8 +112,15 @@ def test_identical_candidates_merge_without_spending_budget():
 
 def test_budget_zero_and_bad_tree():
     table = _core.ScoreTable(1, 1, np.ones(3 * 2 * 2))
-    t = {"tokens": np.array([1], dtype=np.uint32), "parents": np.array([-1], dtype=np.int32),
-         "weights": np.array([1.0]), "total": 1.0, "source": 0, "match_len": 1, "max_depth": 2}
+    t = {
+        "tokens": np.array([1], dtype=np.uint32),
+        "parents": np.array([-1], dtype=np.int32),
+        "weights": np.array([1.0]),
+        "total": 1.0,
+        "source": 0,
+        "match_len": 1,
+        "max_depth": 2,
+    }
     assert len(_core.merge_trees([t], table, 0)["tokens"]) == 0
     with pytest.raises(ValueError, match="earlier node"):
         _core.merge_trees([{**t, "parents": np.array([0], dtype=np.int32)}], table, 4)
@@ -137,9 +158,15 @@ def test_trees_given_as_lists_are_kept_alive():
     # above 1 KiB: numpy keeps smaller freed buffers in a cache, hiding it.
     n = 300
     table = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3))
-    arrays = {"tokens": np.arange(n, dtype=np.uint32), "parents": np.full(n, -1, dtype=np.int32),
-              "weights": np.arange(1.0, n + 1), "total": float(n * (n + 1) // 2), "source": 0, "match_len": 1,
-              "max_depth": 2}
+    arrays = {
+        "tokens": np.arange(n, dtype=np.uint32),
+        "parents": np.full(n, -1, dtype=np.int32),
+        "weights": np.arange(1.0, n + 1),
+        "total": float(n * (n + 1) // 2),
+        "source": 0,
+        "match_len": 1,
+        "max_depth": 2,
+    }
     lists = {**arrays, "weights": arrays["weights"].tolist()}
     want = _core.merge_trees([arrays], table, 64)
     got = _core.merge_trees([lists], table, 64)
@@ -147,7 +174,9 @@ def test_trees_given_as_lists_are_kept_alive():
     for key in ("tokens", "parents", "scores"):
         np.testing.assert_array_equal(got[key], want[key])
     knots = np.linspace(0.0, 1.0, n)
-    curves = _core.ScoreTable(1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [(knots.tolist(), (knots / 2).tolist())])
+    curves = _core.ScoreTable(
+        1, 2, np.ones(3 * 2 * 3), np.zeros(18, np.int32), [(knots.tolist(), (knots / 2).tolist())]
+    )
     assert curves.priority(0, 1, 1, 1.0) == 0.5 and curves.priority(0, 1, 1, 0.5) == 0.25
 
 
@@ -157,16 +186,24 @@ def test_several_external_sources_each_with_its_discount_tag_and_q():
     weak, strong = sssd.SourceDiscount(scale=0.1), sssd.SourceDiscount(scale=1.0)
     drafter = sssd.Drafter(None, sssd.DrafterConfig(use_input=False), external_sources=(weak, strong))
     drafter.open(1, [5, 6, 7])
-    ext = {"offsets": np.array([0, 4]), "tokens": np.array([10, 11, 20, 21]), "parents": np.array([-1, 0, -1, 2]),
-           "weights": np.array([0.9, 0.9, 0.5, 0.5], np.float32), "q": np.array([0.9, 0.9, np.nan, np.nan], np.float32),
-           "sources": np.array([2, 2, 3, 3], np.uint8)}
+    ext = {
+        "offsets": np.array([0, 4]),
+        "tokens": np.array([10, 11, 20, 21]),
+        "parents": np.array([-1, 0, -1, 2]),
+        "weights": np.array([0.9, 0.9, 0.5, 0.5], np.float32),
+        "q": np.array([0.9, 0.9, np.nan, np.nan], np.float32),
+        "sources": np.array([2, 2, 3, 3], np.uint8),
+    }
     tree = drafter.draft([1], [4], external=ext)[0]
-    assert tree.tokens.tolist() == [20, 21, 10, 11]        # 0.5 x 1.0 and 0.25 x 1.0 beat 0.9 x 0.1
+    assert tree.tokens.tolist() == [20, 21, 10, 11]  # 0.5 x 1.0 and 0.25 x 1.0 beat 0.9 x 0.1
     assert tree.sources.tolist() == [3, 3, 2, 2]
     assert np.isnan(tree.draft_probs[:2]).all() and tree.draft_probs[2:].tolist() == pytest.approx([0.9, 0.9])
     assert drafter.draft([1], [1], external=ext)[0].tokens.tolist() == [20]
     # a node under another source's node, an unknown tag, a weight above 1: refused
-    for key, bad in (("parents", np.array([-1, 0, 1, 2])), ("sources", np.array([2, 2, 16, 16], np.uint8)),
-                     ("weights", np.array([1.5, 0.9, 0.5, 0.5], np.float32))):
+    for key, bad in (
+        ("parents", np.array([-1, 0, 1, 2])),
+        ("sources", np.array([2, 2, 16, 16], np.uint8)),
+        ("weights", np.array([1.5, 0.9, 0.5, 0.5], np.float32)),
+    ):
         with pytest.raises(ValueError):
             drafter.draft([1], [4], external={**ext, key: bad})

@@ -109,16 +109,26 @@ def test_mss_draws_exactly_from_the_target_on_a_small_vocabulary():
     tokens = np.array(toks, np.int64)
     parents = np.array(pars, np.int32)
     depths = np.where(parents < 0, 1, 2).astype(np.int32)
-    drafts = DraftBatch(np.array(offsets, np.int64), tokens, parents, depths, np.ones(N, np.float32),
-                        np.zeros(N, np.uint8), np.full(N, np.nan, np.float32))
+    drafts = DraftBatch(
+        np.array(offsets, np.int64),
+        tokens,
+        parents,
+        depths,
+        np.ones(N, np.float32),
+        np.zeros(N, np.uint8),
+        np.full(N, np.nan, np.float32),
+    )
     batch = pack(np.zeros(n, np.int64), np.zeros(n, np.int64), drafts)
     rows = np.arange(n)
     trials = mss_trials(drafts, proposals, rows)
     table = torch.tensor(np.stack([p_logits[()]] + [p_logits[(t,)] for t in range(V)]), dtype=torch.float32)
 
     def logits_at(r, idx):  # the target's logits at a packed node: by its path's first token
-        first = np.where(idx == 0, -1, np.where(batch.parents[r, idx] > 0, batch.tokens[r, batch.parents[r, idx]],
-                                                 batch.tokens[r, idx]))
+        first = np.where(
+            idx == 0,
+            -1,
+            np.where(batch.parents[r, idx] > 0, batch.tokens[r, batch.parents[r, idx]], batch.tokens[r, idx]),
+        )
         return table[torch.from_numpy(first + 1)]
 
     samplers = [Sampler(1.0, 0, 1.0, None) for _ in rows]
@@ -153,17 +163,25 @@ def test_mss_trials_find_draws_by_path_in_the_merged_tree():
     dists = DraftDistributions(np.array([-1, 0, 1]), q, np.array([[2, 2, 3], [1, -1, -1], [0, -1, -1]]))
     cands = Candidates(np.array([2, 1, 0, 3]), np.array([-1, 0, 1, -1]), dists=dists).check(4)
     # merged: root -> 3 (retrieval), root -> 2 (drawn); the merge dropped token 1 under 2
-    drafts = DraftBatch(np.array([0, 2]), np.array([3, 2]), np.array([-1, -1], np.int32), np.array([1, 1], np.int32),
-                        np.ones(2, np.float32), np.zeros(2, np.uint8), np.full(2, np.nan, np.float32))
+    drafts = DraftBatch(
+        np.array([0, 2]),
+        np.array([3, 2]),
+        np.array([-1, -1], np.int32),
+        np.array([1, 1], np.int32),
+        np.ones(2, np.float32),
+        np.zeros(2, np.uint8),
+        np.full(2, np.nan, np.float32),
+    )
     [t] = mss_trials(drafts, [[(2, cands)]], np.array([0]))
     assert set(t) == {0, 2}  # the root and token 2's node; token 1's draws are never reached
-    (_, draws, kids), = t[0]
+    ((_, draws, kids),) = t[0]
     assert draws.tolist() == [2, 2, 3] and kids.tolist() == [2, 2, 1]
-    (_, draws, kids), = t[2]
+    ((_, draws, kids),) = t[2]
     assert draws.tolist() == [1] and kids.tolist() == [-1]
 
 
 # -- the engine with a model source -----------------------------------------------------------------
+
 
 def test_parse_expansion():
     assert parse_expansion("1,1,3,1") == (1, 1, 3, 1) and parse_expansion([2, 1]) == (2, 1)
@@ -184,13 +202,13 @@ def test_greedy_is_token_identical_with_a_model_source(llama, near_llama, plain_
     assert eng.metrics.accepted_by_source.get(f"model:{near_llama.name}", 0) > 0
 
 
-def test_steps_a_deferring_model_drafts_in_measure_retrieval_alone_on_the_same_steps(llama, near_llama,
-                                                                                      plain_outputs):
+def test_steps_a_deferring_model_drafts_in_measure_retrieval_alone_on_the_same_steps(llama, near_llama, plain_outputs):
     from sssd.serving.planning.deferral import ARMS
     from sssd.serving.planning.measured_choice import MeasuredChoice
 
-    eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256)],
-                 budget=6, max_running=3)
+    eng = engine(
+        llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256)], budget=6, max_running=3
+    )
     gate = eng.drafting.deferral
     gate.policy = MeasuredChoice(ARMS, fixed="always")
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
@@ -227,12 +245,14 @@ def test_a_costly_source_drafts_only_where_retrieval_promises_too_little():
     ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
     for cost, asked in ((0.3, [1, 2]), (5.0, []), (0.0, [1, 2])):
         src = Deferring(cost)
-        pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93,
-                             deferral=Deferral())
+        pipe = DraftPipeline(
+            [RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93, deferral=Deferral()
+        )
         pipe.open(1, np.array([4, 5, 6, 7]))
         pipe.open(2, np.array([80, 81]))
-        batch, proposals = pipe.draft_with_proposals([DraftRequest(1, np.array([4, 5, 6, 7]), 8),
-                                                      DraftRequest(2, np.array([80, 81]), 8)])
+        batch, proposals = pipe.draft_with_proposals(
+            [DraftRequest(1, np.array([4, 5, 6, 7]), 8), DraftRequest(2, np.array([80, 81]), 8)]
+        )
         assert src.asked == asked, cost
         assert (batch.sizes[0] > 0) and ((batch.sizes[1] > 0) == (2 in asked))
         src.asked = []
@@ -257,8 +277,9 @@ def _two_request_pipe(src):
     from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
 
     ds = sssd.Datastore.from_tokens(np.array([5, 6, 7, 8, 9, 10, 11, 12, sssd.SEPARATOR] * 20, dtype=np.uint32))
-    pipe = DraftPipeline([RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93,
-                         deferral=Deferral())
+    pipe = DraftPipeline(
+        [RetrievalSource(ds, sssd.DrafterConfig()), src], sssd.DrafterConfig(), vocab_size=93, deferral=Deferral()
+    )
     pipe.open(1, np.array([4, 5, 6, 7]))
     pipe.open(2, np.array([80, 81]))
     return pipe, [DraftRequest(1, np.array([4, 5, 6, 7]), 8), DraftRequest(2, np.array([80, 81]), 8)]
@@ -352,7 +373,7 @@ def _longest_path_along(tokens, parents, verified):
             path.append(int(tokens[n]))
             n = int(parents[n])
         path.reverse()
-        if path == list(verified[:len(path)]):
+        if path == list(verified[: len(path)]):
             best = max(best, len(path))
     return best
 
@@ -431,8 +452,9 @@ def test_trees_grown_ahead_ask_a_deferring_source_only_within_its_lag():
 
 
 def test_a_model_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain(llama, plain_outputs):
-    eng = engine(llama, [ModelDrafter(llama, target=llama, slots=4, capacity=256, expansion=(2, 1, 1))],
-                 budget=8, max_running=4)
+    eng = engine(
+        llama, [ModelDrafter(llama, target=llama, slots=4, capacity=256, expansion=(2, 1, 1))], budget=8, max_running=4
+    )
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
     for o in outs:
@@ -461,11 +483,19 @@ def test_smollm2_drafting_for_itself_is_accepted_at_every_node_of_its_main_chain
 
 
 def test_seeded_sampling_with_a_model_source_is_reproducible(llama, near_llama):
-    params = [SamplingParams(max_tokens=20, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
-              for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20)])]
-    runs = [engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256,
-                                                     complement=False)],
-                   budget=6, max_running=3).generate(PROMPTS[:3], params) for _ in range(2)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
+        for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 20)])
+    ]
+    runs = [
+        engine(
+            llama,
+            ["retrieval", ModelDrafter(near_llama, target=llama, slots=3, capacity=256, complement=False)],
+            budget=6,
+            max_running=3,
+        ).generate(PROMPTS[:3], params)
+        for _ in range(2)
+    ]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert sum(o.stats["accepted"] for o in runs[0]) > 0
 
@@ -501,11 +531,19 @@ def test_sampled_sequences_with_a_model_source_follow_the_models_distribution(ll
     against the target's exact p(t1) p(t2 | t1)."""
     temperature, prompt = 1.5, PROMPTS[1]
     joint = two_token_probs(llama, prompt, temperature)
-    eng = engine(llama, ["retrieval", ModelDrafter(near_llama, target=llama, slots=64, capacity=256,
-                                                   expansion=(3, 2), complement=False)], budget=8, max_running=64)
+    eng = engine(
+        llama,
+        [
+            "retrieval",
+            ModelDrafter(near_llama, target=llama, slots=64, capacity=256, expansion=(3, 2), complement=False),
+        ],
+        budget=8,
+        max_running=64,
+    )
     n = 3000
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
-                                       for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     assert sum(o.stats["accepted"] for o in outs) > n // 3, "many tokens should come from the tree"
     assert chi_square_pvalue(outs, joint) > 1e-3
     assert chi_square_pvalue(outs, two_token_probs(llama, prompt, temperature * 1.25)) < 1e-3  # the test has power
@@ -523,13 +561,15 @@ def test_smollm2_sampling_with_mss_follows_its_distribution(temperature, draft_t
     prompt = eng.encode("The weather")
     joint = two_token_probs(path, prompt, temperature, top1=5, top2=3)
     n = 384
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
-                                       for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     assert sum(o.stats["accepted"] for o in outs) > n // 3
     assert chi_square_pvalue(outs, joint) > 1e-3
 
 
 # -- bad drafters -------------------------------------------------------------------------------------
+
 
 def test_a_drafter_with_another_tokenizer_is_refused_naming_both(llama):
     with pytest.raises(ValueError, match=rf"draft model .*{SMOL}.* does not speak the target .*{llama.name}"):

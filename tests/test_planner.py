@@ -16,8 +16,8 @@ def linear_profile(fixed: float, per_token: float) -> ForwardProfile:
 def test_speculates_at_small_batches_and_stops_when_compute_bound():
     # Memory-bound regime: a step costs 50 ms plus 0.2 ms per query token.
     p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, linear_profile(0.05, 0.0002), adaptive=False)
-    assert p.budget(1) >= 16           # almost free tokens: a big tree pays
-    assert p.budget(256) == 0          # 256 x 17 tokens cost far more than they yield
+    assert p.budget(1) >= 16  # almost free tokens: a big tree pays
+    assert p.budget(256) == 0  # 256 x 17 tokens cost far more than they yield
     choices = [p.budget(b) for b in (1, 4, 16, 64, 256)]
     assert choices == sorted(choices, reverse=True)  # never more speculation at a larger batch
     table = p.table((1, 256))
@@ -45,7 +45,7 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
     profiles = tmp_path / "cache" / "profiles"
     of_gone = sorted(p.name for p in profiles.glob("*.json"))
     assert any(n.startswith("forward-") for n in of_gone)
-    (profiles / "selfspec-x.json").write_text("{}")                       # not a per-model measurement
+    (profiles / "selfspec-x.json").write_text("{}")  # not a per-model measurement
     (profiles / "forward-relative.json").write_text(json.dumps({"meta": {"model": "models/m"}}))
     (profiles / "forward-unreadable.json").write_text("{not json")
     shutil.rmtree(gone)
@@ -53,8 +53,9 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
     left = sorted(p.name for p in profiles.glob("*.json"))
     assert not set(of_gone) & set(left)
     assert {"selfspec-x.json", "forward-relative.json", "forward-unreadable.json"} <= set(left)
-    assert any(n.startswith("forward-") and n not in of_gone and "relative" not in n and "unreadable" not in n
-               for n in left)
+    assert any(
+        n.startswith("forward-") and n not in of_gone and "relative" not in n and "unreadable" not in n for n in left
+    )
     store(profiles / "forward-x.json", {"meta": {"model": str(kept)}})
     assert (profiles / "forward-x.json").is_file()
 
@@ -100,7 +101,7 @@ def test_measured_rates_override_the_model():
     chosen = _run(p, 1, 200, lambda b: (0.1, 1.0) if b == 0 else (0.2, 1.2))
     explored = set(chosen[:20])
     assert 0 in explored and prior in explored
-    assert chosen[-50:] == [0] * 50          # settles on what was measured fastest
+    assert chosen[-50:] == [0] * 50  # settles on what was measured fastest
     assert p.observed()[1]["choice"] == 0
     # where speculation pays, it keeps the candidate that is really fastest
     q = BudgetPlanner(None, MATS, linear_profile(0.05, 0.0002))
@@ -134,8 +135,10 @@ def test_planner_retries_candidates_after_refresh():
     chosen = _run(p, 3, 100, lambda b: (0.1, 1.0) if b == 0 else (0.2, gain.get(b, 1.1)))
     assert chosen[-10:] == [0] * 10
     best = max(p.buckets[4].candidates)
-    gain[best] = 3.0                           # the workload changed: a budget now pays
-    chosen = _run(p, 4, 120, lambda b: (0.1, 1.0) if b == 0 else (0.2, gain.get(b, 1.1)))  # batch 3 and 4 share the bucket
+    gain[best] = 3.0  # the workload changed: a budget now pays
+    chosen = _run(
+        p, 4, 120, lambda b: (0.1, 1.0) if b == 0 else (0.2, gain.get(b, 1.1))
+    )  # batch 3 and 4 share the bucket
     # the prior (1.9 tokens for 0.2 s: slower than plain) and the old steps hold it back for a few refreshes
     assert chosen[-15:] == [best] * 15
 
@@ -178,7 +181,7 @@ def test_every_budget_is_considered_and_small_ones_win_where_verifying_more_is_d
     0/4/8/16/32/64 the planner had would speculate nowhere; budget 2 or 3 pays."""
     rows, tokens = [1, 4, 16], [1, 2, 3, 4, 5, 9, 17, 33, 65]
     step = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.5, 5: 1.9, 9: 2.6, 17: 4.0, 33: 7.0, 65: 13.0}
-    prof = ForwardProfile(rows, tokens, [[0.02 * r ** 0.5 * step[t] for t in tokens] for r in rows], context=256)
+    prof = ForwardProfile(rows, tokens, [[0.02 * r**0.5 * step[t] for t in tokens] for r in rows], context=256)
     p = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, prof, adaptive=False)
     assert p.budget(1) in (2, 3)
     old = {b: p.expected_rate(1, b) for b in (0, 4, 8, 16, 32, 64)}
@@ -188,12 +191,12 @@ def test_every_budget_is_considered_and_small_ones_win_where_verifying_more_is_d
 def test_mat_interpolation_is_monotone_and_keeps_the_calibrated_points():
     from sssd.serving.planning.planner import interpolate_mat
 
-    known = {4: 1.7, 8: 1.9, 16: 1.85, 64: 2.3}   # a dip (noise) at 16
+    known = {4: 1.7, 8: 1.9, 16: 1.85, 64: 2.3}  # a dip (noise) at 16
     mat = interpolate_mat(known, 64)
     assert sorted(mat) == list(range(65)) and mat[0] == 1.0
     assert mat[4] == pytest.approx(1.7) and mat[8] == pytest.approx(1.9) and mat[64] == pytest.approx(2.3)
     values = [mat[b] for b in range(65)]
-    assert values == sorted(values)             # never decreasing
+    assert values == sorted(values)  # never decreasing
     assert 1.0 < mat[1] < mat[2] < mat[3] < 1.7
 
 
@@ -202,7 +205,7 @@ def test_planner_does_not_try_budgets_the_model_rules_out():
     p = BudgetPlanner(None, {4: 1.7, 8: 1.9}, linear_profile(0.0, 0.01))
     assert p.model_budget(64) == 0
     chosen = _run(p, 64, 30, lambda b: (1.0, 1.0))
-    assert set(chosen) == {0}   # budget 4 would cost 5x for 1.7x the tokens: never explored
+    assert set(chosen) == {0}  # budget 4 would cost 5x for 1.7x the tokens: never explored
 
 
 def test_roofline_reproduces_the_papers_free_speculation_budget():
@@ -212,12 +215,12 @@ def test_roofline_reproduces_the_papers_free_speculation_budget():
 
     m, hw = MODELS["llama-2-7b"], HARDWARE["ascend-910b4"]
     ratio = {s: step_seconds(m, hw, 8, s, 512) / step_seconds(m, hw, 8, 1, 512) for s in (16, 48, 54, 80, 128)}
-    assert ratio[16] < 1.1 and ratio[48] < 1.25          # memory-bound: nearly free
-    assert ratio[80] > 1.6 and ratio[128] > 2.5          # compute-bound beyond the knee
+    assert ratio[16] < 1.1 and ratio[48] < 1.25  # memory-bound: nearly free
+    assert ratio[80] > 1.6 and ratio[128] > 2.5  # compute-bound beyond the knee
     rows = projection(m, hw, {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}, batches=(1, 8, 64, 256))
     budgets = [r["budget"] for r in rows]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] >= 32 and budgets[-1] < budgets[0]
-    assert all(r["speedup"] >= 1.0 for r in rows)        # never planned below plain decoding
+    assert all(r["speedup"] >= 1.0 for r in rows)  # never planned below plain decoding
 
 
 def test_sssd_plan_prints_a_labelled_projection(capsys):
@@ -234,7 +237,14 @@ def test_a_draft_models_cost_enters_the_plan():
     the same drafts behind four extra passes do not."""
     mats = {4: 1.7, 8: 1.9, 16: 2.05, 32: 2.2, 64: 2.3}
     free = BudgetPlanner(None, mats, linear_profile(0.05, 0.0002), adaptive=False)
-    costly = BudgetPlanner(None, mats, linear_profile(0.05, 0.0002), adaptive=False,
-                           draft_cost=lambda batch, profile: 4 * profile.time(batch, 1))
+    costly = BudgetPlanner(
+        None,
+        mats,
+        linear_profile(0.05, 0.0002),
+        adaptive=False,
+        draft_cost=lambda batch, profile: 4 * profile.time(batch, 1),
+    )
     assert free.budget(1) > 0 and costly.budget(1) == 0
-    assert costly.expected_rate(1, 8) < free.expected_rate(1, 8) and costly.expected_rate(1, 0) == free.expected_rate(1, 0)
+    assert costly.expected_rate(1, 8) < free.expected_rate(1, 8) and costly.expected_rate(1, 0) == free.expected_rate(
+        1, 0
+    )

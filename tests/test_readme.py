@@ -36,8 +36,13 @@ def test_every_readme_example_runs(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "sssd.cli", "serve", "--port", str(port), "--log-level", "warning"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sssd.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 900  # first use builds the datastore and pulls the model
         while time.monotonic() < deadline:

@@ -90,15 +90,20 @@ def test_drafts_equal_the_brute_force_store(seed, capacity):
             contexts[rid] = prompt
             src.open(rid, np.array(prompt))
             ref.append(rid, prompt[-8:], fresh=True)
-        new = phrases[int(rng.integers(0, 4))][: int(rng.integers(1, 6))] if rng.random() < 0.7 else \
-            rng.integers(0, 12, int(rng.integers(1, 4))).tolist()
+        new = (
+            phrases[int(rng.integers(0, 4))][: int(rng.integers(1, 6))]
+            if rng.random() < 0.7
+            else rng.integers(0, 12, int(rng.integers(1, 4))).tolist()
+        )
         src.extend(rid, np.array(new))
         ref.append(rid, new)
         contexts[rid] += new
         requests = [DraftRequest(r, np.array(ctx), int(rng.integers(1, 80))) for r, ctx in contexts.items()]
         for req, c in zip(requests, src.propose(requests)):
             want = ref.draft(req.request_id, list(req.tokens), req.budget)
-            assert (as_paths(c) if c is not None else {}) == pytest.approx(want), f"step {step}, request {req.request_id}"
+            assert (as_paths(c) if c is not None else {}) == pytest.approx(want), (
+                f"step {step}, request {req.request_id}"
+            )
             if c is not None:
                 c.check(12)
     assert len(src) == min(capacity, len(ref.log))
@@ -120,8 +125,9 @@ def test_the_first_level_is_damped_for_short_matches_and_weights_are_shares():
     src.open(1, np.array([0]))
     src.extend(1, np.array([5, 6, 7, 8, 5, 6, 9]))
     (c,) = src.propose([DraftRequest(2, np.array([3, 5, 6]), 8)])  # "5 6" twice: then 7 or 9
-    assert as_paths(c) == pytest.approx({(7,): 0.5 * 0.8**2, (7, 8): 1.0, (7, 8, 5): 1.0, (7, 8, 5, 6): 1.0,
-                                         (7, 8, 5, 6, 9): 1.0, (9,): 0.5 * 0.8**2})
+    assert as_paths(c) == pytest.approx(
+        {(7,): 0.5 * 0.8**2, (7, 8): 1.0, (7, 8, 5): 1.0, (7, 8, 5, 6): 1.0, (7, 8, 5, 6, 9): 1.0, (9,): 0.5 * 0.8**2}
+    )
 
 
 def test_bad_parameters_are_refused():
@@ -160,6 +166,7 @@ def test_concurrent_writers_and_readers_keep_each_request_in_order():
 
 # -- the engine --------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("recent") / "llama", "llama")
@@ -172,8 +179,9 @@ def test_a_request_drafts_from_an_earlier_requests_output(llama):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     plain = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=128))
     want = [o.token_ids for o in plain.generate(prompts[:1], params)] * 2
-    eng = LLMEngine(llama, datastore=None, draft=["recent"], config=EngineConfig(max_model_len=128, budget=8,
-                                                                                max_running=1))
+    eng = LLMEngine(
+        llama, datastore=None, draft=["recent"], config=EngineConfig(max_model_len=128, budget=8, max_running=1)
+    )
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     by = [o.stats["accepted_by_source"].get("recent", 0) for o in outs]

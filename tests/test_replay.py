@@ -35,8 +35,16 @@ class ScriptedDrafter:
             parents = list(range(-1, len(truth) - 1)) + [-1]
             depths = list(range(1, len(truth) + 1)) + [1]
             n = len(tokens)
-            trees.append(sssd.DraftTree(np.array(tokens), np.array(parents, np.int32), np.array(depths, np.int32),
-                                        np.ones(n, np.float32), np.zeros(n, np.uint8), np.full(n, np.nan, np.float32)))
+            trees.append(
+                sssd.DraftTree(
+                    np.array(tokens),
+                    np.array(parents, np.int32),
+                    np.array(depths, np.int32),
+                    np.ones(n, np.float32),
+                    np.zeros(n, np.uint8),
+                    np.full(n, np.nan, np.float32),
+                )
+            )
         return sssd.tree.concat(trees)
 
 
@@ -92,8 +100,14 @@ def test_batched_replay_equals_naive_replay(budget):
 
 def test_matched_nodes_flags_whole_matching_paths():
     # tree: 5 -> 6 -> 7, 5 -> 9, 8 ; target continues 5 6 8
-    t = sssd.DraftTree(np.array([5, 6, 7, 9, 8]), np.array([-1, 0, 1, 0, -1], np.int32), np.array([1, 2, 3, 2, 1], np.int32),
-                       np.ones(5, np.float32), np.zeros(5, np.uint8), np.full(5, np.nan, np.float32))
+    t = sssd.DraftTree(
+        np.array([5, 6, 7, 9, 8]),
+        np.array([-1, 0, 1, 0, -1], np.int32),
+        np.array([1, 2, 3, 2, 1], np.int32),
+        np.ones(5, np.float32),
+        np.zeros(5, np.uint8),
+        np.full(5, np.nan, np.float32),
+    )
     batch = sssd.tree.concat([t, t])
     m = matched_nodes(batch, [np.array([0, 5, 6, 8]), np.array([5, 9])], np.array([1, 0]))
     assert m.tolist() == [True, True, False, False, False, True, False, False, True, False]

@@ -40,9 +40,17 @@ def plain_outputs(llama):
 
 
 def engine(model, spec: str, gamma: int | None = 4, budget: int = 4, max_running: int = 4, **kw) -> LLMEngine:
-    eng = LLMEngine(model, datastore=None, draft=[spec],
-                    config=EngineConfig(max_model_len=kw.pop("max_model_len", 256), budget=budget,
-                                        max_running=max_running, prefill_chunk=kw.pop("prefill_chunk", 64)))
+    eng = LLMEngine(
+        model,
+        datastore=None,
+        draft=[spec],
+        config=EngineConfig(
+            max_model_len=kw.pop("max_model_len", 256),
+            budget=budget,
+            max_running=max_running,
+            prefill_chunk=kw.pop("prefill_chunk", 64),
+        ),
+    )
     src = eng.drafting.external[0]
     assert isinstance(src, SelfDrafter)
     src.gamma = gamma
@@ -85,11 +93,13 @@ def test_a_small_budget_stays_lossless_and_drafts_from_gathered_tensors(llama, p
                 for layer in range(mine.shape[0]):
                     for h in range(mine.shape[2]):
                         pos = view.picked[layer, h]
-                        assert torch.equal(src.pool.kv[layer, :, s, h, : view.fixed],
-                                           eng.backend.pool.kv[layer, :, r.slot, h, pos])
+                        assert torch.equal(
+                            src.pool.kv[layer, :, s, h, : view.fixed], eng.backend.pool.kv[layer, :, r.slot, h, pos]
+                        )
             else:
-                assert torch.equal(src.pool.kv[:, :, s, :, : view.fixed],
-                                   eng.backend.pool.kv[:, :, r.slot, :, : view.fixed])
+                assert torch.equal(
+                    src.pool.kv[:, :, s, :, : view.fixed], eng.backend.pool.kv[:, :, r.slot, :, : view.fixed]
+                )
             assert view.valid.sum() <= 16
             checked.append(r.id)
 
@@ -131,7 +141,7 @@ def test_snapkv_selects_what_the_observation_window_attends_to(llama):
     w = min(src.obs_window, cached)
     heads = ref.config.num_key_value_heads
     for layer, a in enumerate(att):
-        votes = a[0, :, cached - w :, :horizon].sum(dim=1)                      # [Hq, horizon]
+        votes = a[0, :, cached - w :, :horizon].sum(dim=1)  # [Hq, horizon]
         votes = votes.view(heads, -1, horizon).sum(dim=1)
         pooled = torch.nn.functional.avg_pool1d(votes[:, None], 7, 1, 3, count_include_pad=False)[:, 0]
         for h in range(heads):
@@ -145,8 +155,9 @@ def test_sampled_output_follows_the_targets_distribution(llama):
     joint = two_token_probs(llama, prompt, temperature)
     eng = engine(llama, "self:streamingllm:6", gamma=2, budget=2, max_running=128)
     n = 1600
-    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True)
-                                       for s in range(n)])
+    outs = eng.generate(
+        [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    )
     assert sum(o.stats["accepted"] for o in outs) > n // 4, "many tokens should come from the chain"
     assert chi_square_pvalue(outs, joint) > 1e-3
     assert chi_square_pvalue(outs, two_token_probs(llama, prompt, temperature * 1.25)) < 1e-3  # the test has power
@@ -159,7 +170,7 @@ def test_the_cost_model_drafts_only_past_the_critical_context_and_gains_with_bat
     shape = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "params": 135e6, "dtype_bytes": 4}  # SmolLM2
     cost = SelfSpecCostModel.prior(shape, kv_budget=512)
     rates = np.full(16, 0.8)
-    assert cost.best_gamma(1, 256, rates, 8) == 0            # the draft reads the whole context: no gain
+    assert cost.best_gamma(1, 256, rates, 8) == 0  # the draft reads the whole context: no gain
     crit = cost.critical_context(16, rates, 8)
     assert crit is not None and crit > 512
     assert cost.best_gamma(16, 8192, rates, 8) > 0
@@ -176,7 +187,7 @@ def test_the_cost_model_drafts_only_past_the_critical_context_and_gains_with_bat
     # the KV budget: the measured acceptance per budget against what a larger view costs
     rates_by_budget = {64: [0.3] * 8, 512: [0.8] * 8, 4096: [0.85] * 8}
     kb, g, s = cost.best_plan(16, 8192, rates_by_budget)
-    assert kb == 512 and g >= 1 and s > 1   # 64 is accepted too rarely, 4096 costs too much
+    assert kb == 512 and g >= 1 and s > 1  # 64 is accepted too rarely, 4096 costs too much
     assert cost.best_plan(1, 256, rates_by_budget) == (0, 0, 1.0)
     again = SelfSpecCostModel.from_dict(cost.to_dict() | {"acceptance": {"snapkv": rates_by_budget}})
     assert again.acceptance["snapkv"][512] == [0.8] * 8 and np.allclose(again.coef, cost.coef)

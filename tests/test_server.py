@@ -36,8 +36,13 @@ class Server:
         cfg.setdefault("max_model_len", 256)
         self.engine = LLMEngine(model, datastore=datastore, config=EngineConfig(budget=4, **cfg))
         self.port = free_port()
-        app = create_app(AsyncEngine(self.engine), "tiny", api_key=api_key, request_timeout=cfg.pop("timeout", 60),
-                         **(app_options or {}))
+        app = create_app(
+            AsyncEngine(self.engine),
+            "tiny",
+            api_key=api_key,
+            request_timeout=cfg.pop("timeout", 60),
+            **(app_options or {}),
+        )
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -90,8 +95,13 @@ def test_completions_with_the_openai_client(server, model):
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(want.prompt_token_ids)
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}) if ch.choices)
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        if ch.choices
+    )
     assert streamed == want.text
     assert [m.id for m in c.models.list().data] == ["tiny"]
 
@@ -100,10 +110,21 @@ def test_chat_with_the_openai_client(server, model):
     messages = [{"role": "user", "content": PROMPT}]
     want = offline(model, messages, max_tokens=10, ignore_eos=True)
     c = server.client()
-    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
-    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
     assert chunks[-1].usage.completion_tokens == 10
@@ -112,12 +133,21 @@ def test_chat_with_the_openai_client(server, model):
 
 def test_sampling_parameters_are_honoured(server, model):
     want = offline(model, PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
-    r = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7,
-                                           extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == want.text
     stop_word = want.text.split()[4]
-    r = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=15, temperature=0.9, top_p=0.9, seed=7,
-                                           stop=[stop_word], extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=15,
+        temperature=0.9,
+        top_p=0.9,
+        seed=7,
+        stop=[stop_word],
+        extra_body={"ignore_eos": True},
+    )
     assert stop_word not in r.choices[0].text and r.choices[0].finish_reason == "stop"
 
 
@@ -129,8 +159,14 @@ def test_bad_requests_get_openai_errors(server):
         c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2)
     raw = httpx.Client(base_url=server.url)
     closing.append(raw)
-    for body in ('{"prompt": "w1", "max_tokens": ', '{"prompt": 5}', '{"prompt": "w1", "max_tokens": "many"}',
-                 '{"prompt": "w1", "temperature": -3}', '{"prompt": "w1", "max_tokens": 0}', '[]'):
+    for body in (
+        '{"prompt": "w1", "max_tokens": ',
+        '{"prompt": 5}',
+        '{"prompt": "w1", "max_tokens": "many"}',
+        '{"prompt": "w1", "temperature": -3}',
+        '{"prompt": "w1", "max_tokens": 0}',
+        "[]",
+    ):
         r = raw.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, body
         assert set(r.json()["error"]) >= {"message", "type", "code"}
@@ -143,8 +179,9 @@ def test_bad_requests_get_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "ask for at most" in r.json()["error"]["message"]
     # without one, the default is lowered to what fits
-    r = raw.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True},
-                 timeout=60)
+    r = raw.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     assert raw.get("/health").json()["status"] == "ok"  # still serving
 
@@ -152,8 +189,9 @@ def test_bad_requests_get_openai_errors(server):
 def test_client_disconnect_cancels_the_request(server):
     before = server.engine.metrics.finish_reasons.get("abort", 0)
     with httpx.Client(base_url=server.url, timeout=30) as raw:
-        with raw.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
-                                                          "ignore_eos": True}) as r:
+        with raw.stream(
+            "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
     for _ in range(100):
@@ -167,10 +205,17 @@ def test_client_disconnect_cancels_the_request(server):
 def test_metrics_use_vllm_names(server):
     server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                 "sssd:draft_seconds_bucket", "sssd:step_seconds_count", "sssd:num_requests_running",
-                 "sssd:num_requests_waiting", "sssd:budget_steps_total"):
+    for name in (
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "sssd:draft_seconds_bucket",
+        "sssd:step_seconds_count",
+        "sssd:num_requests_running",
+        "sssd:num_requests_waiting",
+        "sssd:budget_steps_total",
+    ):
         assert name in text, name
     drafts = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total ")]
     assert int(drafts[0].split()[1]) > 0
@@ -188,8 +233,12 @@ def test_api_key_and_queue_limit(model):
         statuses = []
 
         def call():
-            r = httpx.post(s.url + "/v1/completions", headers={"authorization": "Bearer sekret"},
-                           json={"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}, timeout=60)
+            r = httpx.post(
+                s.url + "/v1/completions",
+                headers={"authorization": "Bearer sekret"},
+                json={"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True},
+                timeout=60,
+            )
             statuses.append((r.status_code, r.headers.get("retry-after")))
 
         threads = [threading.Thread(target=call) for _ in range(4)]
@@ -205,9 +254,30 @@ def test_api_key_and_queue_limit(model):
 def test_sssd_serve_cli_starts_and_shuts_down_gracefully(model, tmp_path):
     port = free_port()
     env = dict(os.environ, SSSD_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "sssd.cli", "serve", "--model", str(model), "--datastore", "none",
-                             "--port", str(port), "--budget", "4", "--max-model-len", "256", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sssd.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--datastore",
+            "none",
+            "--port",
+            str(port),
+            "--budget",
+            "4",
+            "--max-model-len",
+            "256",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(600):
             try:
@@ -241,9 +311,17 @@ def test_load_32_streaming_clients_identical_to_plain_and_no_growth(model):
     def stream(i, results, errors):
         try:
             with httpx.Client(base_url=s.url, timeout=120) as raw:
-                with raw.stream("POST", "/v1/completions", json={"prompt": prompts[i], "max_tokens": lengths[i],
-                                                                  "temperature": 0, "stream": True,
-                                                                  "ignore_eos": True}) as r:
+                with raw.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "prompt": prompts[i],
+                        "max_tokens": lengths[i],
+                        "temperature": 0,
+                        "stream": True,
+                        "ignore_eos": True,
+                    },
+                ) as r:
                     assert r.status_code == 200, r.status_code
                     text = []
                     for line in r.iter_lines():
@@ -296,8 +374,9 @@ def test_first_output_is_not_lost_when_the_engine_steps_before_the_stream_is_rea
     async def main():
         ae.start()
         try:
-            return "".join([o.new_text async for o in ae.generate(PROMPT, SamplingParams(max_tokens=10,
-                                                                                          ignore_eos=True))])
+            return "".join(
+                [o.new_text async for o in ae.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True))]
+            )
         finally:
             await ae.shutdown(grace=5)
 

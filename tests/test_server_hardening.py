@@ -58,13 +58,15 @@ def post(server, path, body, **kw):
 
 # -- sampling parameters --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
 def test_vanishing_temperature_decodes_greedily_instead_of_failing(server, model, temperature):
     """1/temperature overflowed to inf, the softmax gave NaN and multinomial failed inside the
     engine, which aborted every running request; below 1e-5 it is greedy (as in vLLM)."""
     want = offline(model, PROMPT, max_tokens=10, ignore_eos=True).text
-    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": temperature,
-                                         "ignore_eos": True})
+    r = post(
+        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": temperature, "ignore_eos": True}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
 
@@ -110,8 +112,18 @@ def test_malformed_json_says_so_without_a_bogus_param(server):
 
 def test_unknown_fields_are_ignored(server, model):
     want = offline(model, PROMPT, max_tokens=5, ignore_eos=True).text
-    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "user": "x", "temperature": 0,
-                                         "some_future_option": {"nested": [1, 2]}})
+    r = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "user": "x",
+            "temperature": 0,
+            "some_future_option": {"nested": [1, 2]},
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
 
 
@@ -122,10 +134,14 @@ def test_a_huge_prompt_is_refused_quickly_and_the_others_keep_streaming(server, 
     got = {}
 
     def stream():
-        with raw(server).stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 60, "stream": True,
-                                                                  "ignore_eos": True, "temperature": 0}) as r:
-            got["text"] = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                                  if line.startswith("data: {"))
+        with raw(server).stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True, "temperature": 0},
+        ) as r:
+            got["text"] = "".join(
+                json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")
+            )
 
     t = threading.Thread(target=stream)
     t.start()
@@ -155,6 +171,7 @@ def test_body_limit_applies_to_announced_and_chunked_bodies(server):
 
 
 # -- the HTTP surface -------------------------------------------------------------------------------
+
 
 def test_errors_are_openai_json_with_the_right_status(server):
     c = raw(server)
@@ -194,8 +211,10 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(server):
     before = server.engine.metrics.finish_reasons.get("abort", 0)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 220, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         for _ in range(200):  # wait until it runs
             if server.engine.num_running:
                 break
@@ -209,6 +228,7 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(server):
 
 
 # -- per-request isolation ---------------------------------------------------------------------------
+
 
 def test_one_failing_request_fails_alone(model):
     """A fault in one request's own work (here: its output cannot be detokenized) finishes that
@@ -234,8 +254,11 @@ def test_one_failing_request_fails_alone(model):
         results = {}
 
         def call(p):
-            results[p] = httpx.post(s.url + "/v1/completions", json={"prompt": p, "max_tokens": 24,
-                                                                     "ignore_eos": True, "temperature": 0}, timeout=60)
+            results[p] = httpx.post(
+                s.url + "/v1/completions",
+                json={"prompt": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0},
+                timeout=60,
+            )
 
         threads = [threading.Thread(target=call, args=(p,)) for p in prompts + [PROMPT + " " + poison]]
         for t in threads:
@@ -273,25 +296,34 @@ def test_a_datastore_from_another_vocabulary_is_refused_at_start(model, tmp_path
 
 # -- the command line and shutdown --------------------------------------------------------------------
 
+
 def _serve(model, tmp_path, *args):
     env = dict(os.environ, SSSD_CACHE_DIR=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "sssd.cli", "serve", "--model", str(model), "--datastore", "none",
-                           *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "sssd.cli", "serve", "--model", str(model), "--datastore", "none", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--port", "99999"], "--port must be in 1-65535"),
-    (["--max-running", "0"], "--max-running must be >= 1"),
-    (["--budget", "100000"], "--budget must be in"),
-    (["--request-timeout", "-1"], "--request-timeout"),
-    (["--datastore", "/nonexistent/ds"], "no such datastore"),
-    (["--drafter", "/nonexistent.json"], "no such file"),
-    (["--host", "no-such-host.invalid"], "cannot resolve"),
-    (["--api-key", ""], "--api-key is empty"),
-    (["--draft", "retrieval,self:snapkv:x"], "malformed draft source 'self:snapkv:x'"),
-    (["--draft", "retrieval,model:tiny"], "--draft model:tiny: unknown model"),
-    (["--draft", "recycle:x"], "malformed draft source"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "99999"], "--port must be in 1-65535"),
+        (["--max-running", "0"], "--max-running must be >= 1"),
+        (["--budget", "100000"], "--budget must be in"),
+        (["--request-timeout", "-1"], "--request-timeout"),
+        (["--datastore", "/nonexistent/ds"], "no such datastore"),
+        (["--drafter", "/nonexistent.json"], "no such file"),
+        (["--host", "no-such-host.invalid"], "cannot resolve"),
+        (["--api-key", ""], "--api-key is empty"),
+        (["--draft", "retrieval,self:snapkv:x"], "malformed draft source 'self:snapkv:x'"),
+        (["--draft", "retrieval,model:tiny"], "--draft model:tiny: unknown model"),
+        (["--draft", "recycle:x"], "malformed draft source"),
+    ],
+)
 def test_serve_refuses_bad_arguments_before_loading_anything(model, tmp_path, args, message):
     r = _serve(model, tmp_path, *args)
     assert r.returncode != 0
@@ -323,10 +355,31 @@ def test_sigterm_drains_then_ends_open_streams_cleanly(model, tmp_path):
     one summary line and no traceback."""
     port = free_port()
     env = dict(os.environ, SSSD_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "sssd.cli", "serve", "--model", str(model), "--datastore", "none",
-                             "--port", str(port), "--no-speculate", "--max-model-len", "512", "--drain-timeout", "0.3",
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sssd.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--datastore",
+            "none",
+            "--port",
+            str(port),
+            "--no-speculate",
+            "--max-model-len",
+            "512",
+            "--drain-timeout",
+            "0.3",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     events: list[str] = []
     try:
         for _ in range(600):
@@ -336,16 +389,19 @@ def test_sigterm_drains_then_ends_open_streams_cleanly(model, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         with httpx.Client(timeout=60) as c:
-            with c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                          json={"prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True,
-                                "temperature": 0}) as r:
+            with c.stream(
+                "POST",
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True, "temperature": 0},
+            ) as r:
                 lines = r.iter_lines()
                 events.append(next(lines))
                 proc.send_signal(signal.SIGTERM)
                 time.sleep(0.2)
                 try:
-                    refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT},
-                                         timeout=5).status_code
+                    refused = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT}, timeout=5
+                    ).status_code
                 except httpx.HTTPError:
                     refused = "closed"  # the listener may already be closed: also a refusal
                 events.extend(lines)
@@ -363,6 +419,7 @@ def test_sigterm_drains_then_ends_open_streams_cleanly(model, tmp_path):
 
 
 # -- the planner's profile ---------------------------------------------------------------------------
+
 
 def test_a_noisy_cached_profile_is_measured_again_and_records_its_conditions(model, tmp_path, monkeypatch):
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path))
@@ -391,22 +448,58 @@ def test_a_noisy_cached_profile_is_measured_again_and_records_its_conditions(mod
 
 # -- API fuzz ------------------------------------------------------------------------------------------
 
+
 def _fuzz_bodies():
     from hypothesis import strategies as st
 
-    scalar = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
-                       st.sampled_from([0, 1, -1, 2**63, 1e-40, 1e308, "w1 w2", PROMPT]))
-    value = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                         st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                         max_leaves=8)
-    fields = st.sampled_from(["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                              "top_k", "seed", "stop", "stream", "n", "logprobs", "ignore_eos", "model", "echo",
-                              "stream_options", "presence_penalty", "unknown_field"])
+    scalar = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=20),
+        st.sampled_from([0, 1, -1, 2**63, 1e-40, 1e308, "w1 w2", PROMPT]),
+    )
+    value = st.recursive(
+        scalar,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+        max_leaves=8,
+    )
+    fields = st.sampled_from(
+        [
+            "prompt",
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "stream",
+            "n",
+            "logprobs",
+            "ignore_eos",
+            "model",
+            "echo",
+            "stream_options",
+            "presence_penalty",
+            "unknown_field",
+        ]
+    )
     body = st.dictionaries(fields, value, max_size=6)
     # mostly valid requests with one field made bad
-    near = st.builds(lambda k, v: {"prompt": PROMPT, "messages": [{"role": "user", "content": PROMPT}],
-                                   "max_tokens": 3, "temperature": 0, k: v}, fields, value)
+    near = st.builds(
+        lambda k, v: {
+            "prompt": PROMPT,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 3,
+            "temperature": 0,
+            k: v,
+        },
+        fields,
+        value,
+    )
     return st.one_of(body, near)
 
 
@@ -421,10 +514,14 @@ def test_api_fuzz_never_breaks_the_server_or_other_clients(server, model):
 
     def stream():
         with httpx.Client(base_url=server.url, timeout=120) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 150, "stream": True,
-                                                            "ignore_eos": True, "temperature": 0}) as r:
-                got["text"] = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                                      if line.startswith("data: {"))
+            with c.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 150, "stream": True, "ignore_eos": True, "temperature": 0},
+            ) as r:
+                got["text"] = "".join(
+                    json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")
+                )
 
     statuses: dict[int, int] = {}
     client = raw(server)
@@ -450,10 +547,24 @@ def test_api_fuzz_never_breaks_the_server_or_other_clients(server, model):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
-                                dict(top_p=0.0), dict(top_k=-2), dict(top_k=1.5), dict(max_tokens=0),
-                                dict(max_tokens=True), dict(seed=2**64), dict(seed=1.0), dict(stop=("",)),
-                                dict(stop=("x",) * 65), dict(stop_token_ids=(-1,))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_p=float("nan")),
+        dict(top_p=0.0),
+        dict(top_k=-2),
+        dict(top_k=1.5),
+        dict(max_tokens=0),
+        dict(max_tokens=True),
+        dict(seed=2**64),
+        dict(seed=1.0),
+        dict(stop=("",)),
+        dict(stop=("x",) * 65),
+        dict(stop_token_ids=(-1,)),
+    ],
+)
 def test_sampling_params_refuse_values_the_engine_cannot_honour(kw):
     with pytest.raises(ValueError, match="invalid sampling parameters"):
         SamplingParams(**kw)

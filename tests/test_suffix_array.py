@@ -14,9 +14,7 @@ from reference import SEP, suffix_array
 import sssd
 from sssd import _core
 
-token_lists = st.lists(
-    st.one_of(st.integers(0, 5), st.integers(0, 70_000), st.just(SEP)), min_size=0, max_size=300
-)
+token_lists = st.lists(st.one_of(st.integers(0, 5), st.integers(0, 70_000), st.just(SEP)), min_size=0, max_size=300)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,12 +84,17 @@ def test_empty_and_single():
     assert _core.build_suffix_array(np.array([sssd.SEPARATOR], dtype=np.uint32)).tolist() == [0]
 
 
-@pytest.mark.skipif(bool(os.environ.get("SSSD_SANITIZED")) or "libasan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="ASan reserves terabytes of address space: RLIMIT_AS cannot be lowered under it")
-@pytest.mark.parametrize("stream, room", [
-    ("np.ones(n, dtype=np.uint32)", 6),               # the symbol copy of the stream does not fit
-    ("np.arange(n, dtype=np.uint32)[::-1].copy()", 9),  # it fits, libsais's buckets (n symbols) do not
-])
+@pytest.mark.skipif(
+    bool(os.environ.get("SSSD_SANITIZED")) or "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="ASan reserves terabytes of address space: RLIMIT_AS cannot be lowered under it",
+)
+@pytest.mark.parametrize(
+    "stream, room",
+    [
+        ("np.ones(n, dtype=np.uint32)", 6),  # the symbol copy of the stream does not fit
+        ("np.arange(n, dtype=np.uint32)[::-1].copy()", 9),  # it fits, libsais's buckets (n symbols) do not
+    ],
+)
 def test_allocation_failure_inside_the_sort_is_a_memory_error(stream, room):
     # The address-space limit leaves `room` bytes per token above what the
     # interpreter holds: the 4-byte output array always fits. Running out of

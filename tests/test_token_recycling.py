@@ -20,6 +20,7 @@ PROMPTS = [[5, 9, 23, 7, 3, 40, 41, 42, 3], [10, 11, 12, 13, 10, 11, 12], [4] * 
 
 # -- the template ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k, depth, nodes", [(3, 4, 20), (4, 3, 40), (8, 6, 80), (2, 8, 7)])
 def test_template_is_the_best_nodes_by_path_weight(k, depth, nodes):
     rates = rank_prior(k)
@@ -43,6 +44,7 @@ def test_template_is_the_best_nodes_by_path_weight(k, depth, nodes):
 
 
 # -- the adjacency matrix and the drafts ---------------------------------------------------------------
+
 
 def brute_draft(matrix: dict, template, root: int, budget: int):
     """The template walked node by node over a dict of rows: {path of tokens: rank}."""
@@ -121,8 +123,10 @@ def test_drafts_equal_the_node_by_node_walk(seed):
         src.observe_verified(np.zeros(n, np.int64), toks, top)
         for t, row in zip(toks.tolist(), top.tolist()):
             rows[t] = row
-    requests = [DraftRequest(i, np.array([1, int(r)]), int(b))
-                for i, (r, b) in enumerate(zip(rng.integers(0, V, 12), rng.integers(0, 45, 12)))]
+    requests = [
+        DraftRequest(i, np.array([1, int(r)]), int(b))
+        for i, (r, b) in enumerate(zip(rng.integers(0, V, 12), rng.integers(0, 45, 12)))
+    ]
     got = src.propose(requests)
     rates = src.rates()
     for req, c in zip(requests, got):
@@ -140,8 +144,12 @@ def test_an_empty_matrix_proposes_nothing():
 
 
 def test_spec_strings():
-    assert parse_specs("retrieval,recycle,recycle:4,recent") == [("retrieval", ""), ("recycle", ""), ("recycle", "4"),
-                                                                  ("recent", "")]
+    assert parse_specs("retrieval,recycle,recycle:4,recent") == [
+        ("retrieval", ""),
+        ("recycle", ""),
+        ("recycle", "4"),
+        ("recent", ""),
+    ]
     for bad in ("recycle:0", "recycle:x", "recent:5"):
         with pytest.raises(ValueError, match="malformed"):
             parse_specs(bad)
@@ -149,6 +157,7 @@ def test_spec_strings():
 
 
 # -- the backend's top-k, and the engine -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
@@ -170,8 +179,14 @@ def test_the_backends_topk_comes_from_the_logits_of_every_node(llama):
 
     be = TorchBackend(llama, slots=2, capacity=64)
     be.prefill(slice(0, 2), pack_chain(np.zeros(2), [np.array([5, 9, 23]), np.array([10, 11])]))
-    tree = DraftTree(np.array([4, 7, 8]), np.array([-1, 0, -1], np.int32), np.array([1, 2, 1], np.int32),
-                     np.ones(3, np.float32), np.full(3, 2, np.uint8), np.full(3, np.nan, np.float32))
+    tree = DraftTree(
+        np.array([4, 7, 8]),
+        np.array([-1, 0, -1], np.int32),
+        np.array([1, 2, 1], np.int32),
+        np.ones(3, np.float32),
+        np.full(3, 2, np.uint8),
+        np.full(3, np.nan, np.float32),
+    )
     batch = pack(np.array([7, 12]), np.array([3, 2]), concat([tree, tree]))
     full = be.collect(be.launch(slice(0, 2), batch, np.zeros(2, bool)))  # every node's logits
     b, i = np.nonzero(batch.valid)
@@ -186,8 +201,12 @@ def test_the_backends_topk_comes_from_the_logits_of_every_node(llama):
 
 
 def test_every_source_together_is_greedy_identical_and_recycling_is_accepted(llama, plain_outputs):
-    eng = LLMEngine(llama, datastore=None, draft=["retrieval", "recycle", "recent"],
-                    config=EngineConfig(max_model_len=256, budget=8, max_running=3))
+    eng = LLMEngine(
+        llama,
+        datastore=None,
+        draft=["retrieval", "recycle", "recent"],
+        config=EngineConfig(max_model_len=256, budget=8, max_running=3),
+    )
     assert [s.name for s in eng.drafting.external] == ["recycle", "recent"] and eng.drafting.observe_topk == 8
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
@@ -205,12 +224,18 @@ def test_recycling_alone_is_greedy_identical_and_speeds_up(llama, plain_outputs)
 
 
 def test_sampling_with_a_seed_is_identical_with_every_source(llama):
-    params = [SamplingParams(max_tokens=25, temperature=t, top_p=p, seed=s, ignore_eos=True)
-              for s, (t, p) in enumerate([(0.7, 1.0), (1.0, 0.9), (0.5, 1.0)])]
+    params = [
+        SamplingParams(max_tokens=25, temperature=t, top_p=p, seed=s, ignore_eos=True)
+        for s, (t, p) in enumerate([(0.7, 1.0), (1.0, 0.9), (0.5, 1.0)])
+    ]
     prompts = PROMPTS[: len(params)]
     plain = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=256, max_running=3))
-    spec = LLMEngine(llama, datastore=None, draft=["retrieval", "recycle", "recent"],
-                     config=EngineConfig(max_model_len=256, budget=8, max_running=3))
+    spec = LLMEngine(
+        llama,
+        datastore=None,
+        draft=["retrieval", "recycle", "recent"],
+        config=EngineConfig(max_model_len=256, budget=8, max_running=3),
+    )
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     assert spec.drafting.external[0].seen.any()  # sampled rows' top-k come from their logits

@@ -24,7 +24,14 @@ def _tree(parents, scores):
     for i, p in enumerate(parents):
         depths[i] = 1 if p < 0 else depths[p] + 1
     n = len(parents)
-    return sssd.DraftTree(np.arange(n), parents, depths, np.array(scores, np.float32), np.zeros(n, np.uint8), np.full(n, np.nan, np.float32))
+    return sssd.DraftTree(
+        np.arange(n),
+        parents,
+        depths,
+        np.array(scores, np.float32),
+        np.zeros(n, np.uint8),
+        np.full(n, np.nan, np.float32),
+    )
 
 
 @settings(max_examples=200, deadline=None)

@@ -34,8 +34,10 @@ VLLM_PYTHON = Path(os.environ.get("SSSD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin
 def _proposer(monkeypatch, k=4, min_score=0.0, model=None):
     monkeypatch.setenv("SSSD_VLLM_DATASTORE", "none")
     monkeypatch.setenv("SSSD_VLLM_MIN_SCORE", str(min_score))
-    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                          model_config=SimpleNamespace(model=model, get_vocab_size=lambda: 1000))
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(model=model, get_vocab_size=lambda: 1000),
+    )
     return SSSDProposer(cfg)
 
 
@@ -104,13 +106,25 @@ def test_chain_length_shrinks_with_batch():
 
 def test_compare_figures_use_vllms_definitions():
     plain = {"token_ids": [[1, 2, 3, 4, 5, 6]], "tokens": 6, "tokens_per_s": 10.0, "spec_decode": {}}
-    run = {"token_ids": [[1, 2, 3, 4, 5, 6]], "tokens": 6, "tokens_per_s": 15.0,
-           "spec_decode": {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8,
-                           "spec_decode_num_accepted_tokens": 3}}
+    run = {
+        "token_ids": [[1, 2, 3, 4, 5, 6]],
+        "tokens": 6,
+        "tokens_per_s": 15.0,
+        "spec_decode": {
+            "spec_decode_num_drafts": 2,
+            "spec_decode_num_draft_tokens": 8,
+            "spec_decode_num_accepted_tokens": 3,
+        },
+    }
     fig = vllm_compare.summarize(run, plain)
     # 1 + accepted / drafts (vLLM's log); 3 of 8 draft tokens; 6 tokens in 6 - 3 target steps.
-    assert fig == {"identical": True, "tokens_per_s_ratio": 1.5, "mean_acceptance_length": 2.5,
-                   "draft_acceptance_rate": 0.375, "tokens_per_step": 2.0}
+    assert fig == {
+        "identical": True,
+        "tokens_per_s_ratio": 1.5,
+        "mean_acceptance_length": 2.5,
+        "draft_acceptance_rate": 0.375,
+        "tokens_per_step": 2.0,
+    }
     undrafted = vllm_compare.summarize(dict(run, token_ids=[[1, 2]], spec_decode={}), plain)
     assert not undrafted["identical"] and undrafted["mean_acceptance_length"] is None
     report = {"plain": plain, "methods": ["ngram"], "ngram": {**run, **fig}, "skipped": {"suffix": "no arctic"}}
@@ -132,11 +146,14 @@ def test_compare_configs_verify_the_same_k():
 def vllm_report(tmp_path_factory):
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, sssd.serving.vllm_proposer"],
-                           capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import vllm, sssd.serving.vllm_proposer"], capture_output=True, text=True, timeout=300
+    )
     if probe.returncode != 0:
-        pytest.skip(f"{VLLM_PYTHON} cannot import vllm and sssd (bash scripts/setup_vllm.sh): "
-                    f"{probe.stderr.strip().splitlines()[-1:]}")
+        pytest.skip(
+            f"{VLLM_PYTHON} cannot import vllm and sssd (bash scripts/setup_vllm.sh): "
+            f"{probe.stderr.strip().splitlines()[-1:]}"
+        )
     from sssd.commands.draft import ensure_default_datastore
     from sssd.models import resolve_model
 
@@ -144,8 +161,23 @@ def vllm_report(tmp_path_factory):
     ensure_default_datastore()  # the proposer drafts from it (built once, ~40 s, on a fresh machine)
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONWARNINGS="ignore")
-    cmd = [str(VLLM_PYTHON), "-m", "sssd.serving.frontends.vllm_compare", "--model", str(model), "--prompts", "4",
-           "--max-tokens", "48", "--k", "6", "--methods", "sssd,ngram", "-o", str(out)]
+    cmd = [
+        str(VLLM_PYTHON),
+        "-m",
+        "sssd.serving.frontends.vllm_compare",
+        "--model",
+        str(model),
+        "--prompts",
+        "4",
+        "--max-tokens",
+        "48",
+        "--k",
+        "6",
+        "--methods",
+        "sssd,ngram",
+        "-o",
+        str(out),
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "error:" in line]
     assert res.returncode == 0, "\n".join(errors[-20:]) + "\n...\n" + res.stderr[-2000:]

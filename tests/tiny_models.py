@@ -32,16 +32,30 @@ def tiny_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(WORDS) + 3, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512, eos_token_id=1,
-                  bos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=len(WORDS) + 3,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "llama":
         config = LlamaConfig(**common)
     elif arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "gemma3":
-        config = Gemma3TextConfig(**common, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"][:layers] + ["full_attention"] * (layers - 2),
-                                  query_pre_attn_scalar=16)
+        config = Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"][:layers] + ["full_attention"] * (layers - 2),
+            query_pre_attn_scalar=16,
+        )
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(config)

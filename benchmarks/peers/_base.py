@@ -75,8 +75,14 @@ def chain(tokens: np.ndarray, scores: np.ndarray | None = None) -> DraftTree:
     tokens = np.asarray(tokens, dtype=np.int64)
     n = tokens.shape[0]
     sc = np.zeros(n, dtype=np.float32) if scores is None else np.asarray(scores, dtype=np.float32)
-    return DraftTree(tokens, np.arange(-1, n - 1, dtype=np.int32), np.arange(1, n + 1, dtype=np.int32), sc,
-                     np.zeros(n, dtype=np.uint8), np.full(n, np.nan, dtype=np.float32))
+    return DraftTree(
+        tokens,
+        np.arange(-1, n - 1, dtype=np.int32),
+        np.arange(1, n + 1, dtype=np.int32),
+        sc,
+        np.zeros(n, dtype=np.uint8),
+        np.full(n, np.nan, dtype=np.float32),
+    )
 
 
 EMPTY_TREE = chain(_EMPTY_I64)
@@ -190,5 +196,12 @@ def chain_batch(chains: Sequence[np.ndarray]) -> sssd.DraftBatch:
     n = int(offsets[-1])
     tokens = np.concatenate(chains).astype(np.int64, copy=False) if n else _EMPTY_I64
     local = np.arange(n, dtype=np.int32) - np.repeat(offsets[:-1], lens).astype(np.int32)
-    return sssd.DraftBatch(offsets, tokens, local - 1, local + 1, np.zeros(n, dtype=np.float32),
-                           np.zeros(n, dtype=np.uint8), np.full(n, np.nan, dtype=np.float32))
+    return sssd.DraftBatch(
+        offsets,
+        tokens,
+        local - 1,
+        local + 1,
+        np.zeros(n, dtype=np.float32),
+        np.zeros(n, dtype=np.uint8),
+        np.full(n, np.nan, dtype=np.float32),
+    )

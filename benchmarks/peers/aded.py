@@ -83,7 +83,11 @@ def build_index(tokens: np.ndarray, path: str | Path, vocab_size: int) -> Path:
 def cached_index(datastore: sssd.Datastore, cache_dir: str | Path | None = None) -> Path:
     """ADED's index of ``datastore``, built once and cached by the datastore's fingerprint."""
     fingerprint = datastore.manifest.get("fingerprint") or f"{datastore.native.fingerprint:016x}"
-    cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sssd" / "peers"
+    cache = (
+        Path(cache_dir)
+        if cache_dir
+        else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sssd" / "peers"
+    )
     path = cache / f"aded-{fingerprint}.idx"
     if not path.exists():
         build_index(datastore.tokens, path, datastore.vocab_size)

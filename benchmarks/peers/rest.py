@@ -82,8 +82,17 @@ class RESTDrafter(PerRequestDrafter):
         fallback_token: drafted when nothing matches (REST: 100; None: nothing).
     """
 
-    def __init__(self, datastore: sssd.Datastore, *, k: int = 5000, long: int = 10, max_token_span: int = 16,
-                 cut: bool = True, seed: int = 0, fallback_token: int | None = REST_FALLBACK_TOKEN):
+    def __init__(
+        self,
+        datastore: sssd.Datastore,
+        *,
+        k: int = 5000,
+        long: int = 10,
+        max_token_span: int = 16,
+        cut: bool = True,
+        seed: int = 0,
+        fallback_token: int | None = REST_FALLBACK_TOKEN,
+    ):
         super().__init__()
         if k < 1 or long < 1 or max_token_span < 2:
             raise ValueError("need k >= 1, long >= 1, max_token_span >= 2")
@@ -166,8 +175,14 @@ class RESTDrafter(PerRequestDrafter):
         valid = token != END
         new = np.cumsum(valid) - 1
         parent = np.where(parent >= 0, new[np.maximum(parent, 0)], -1)
-        nodes = {"token": token[valid], "depth": depth0[valid] + 1, "parent": parent[valid],
-                 "count": size[valid], "first": first[valid], "rows": conts}
+        nodes = {
+            "token": token[valid],
+            "depth": depth0[valid] + 1,
+            "parent": parent[valid],
+            "count": size[valid],
+            "first": first[valid],
+            "rows": conts,
+        }
         # Preorder of the trie with children by token = lexicographic order of
         # the prefixes: by first row, then shorter first.
         order = np.lexsort((nodes["depth"], nodes["first"]))

@@ -85,8 +85,14 @@ class SuffixDecodingDrafter:
 
     name = NAME
 
-    def __init__(self, warm: WarmCache, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_spec_offset: float = 0.0, use_tree_spec: bool = True):
+    def __init__(
+        self,
+        warm: WarmCache,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_spec_offset: float = 0.0,
+        use_tree_spec: bool = True,
+    ):
         self.warm = warm
         self.cache = warm.cache
         self.max_spec_factor = max_spec_factor
@@ -97,8 +103,12 @@ class SuffixDecodingDrafter:
         self._ctx: dict[int, np.ndarray] = {}
 
     def settings(self) -> dict:
-        return {"max_spec_factor": self.max_spec_factor, "min_token_prob": self.min_token_prob,
-                "max_spec_offset": self.max_spec_offset, "use_tree_spec": self.use_tree_spec}
+        return {
+            "max_spec_factor": self.max_spec_factor,
+            "min_token_prob": self.min_token_prob,
+            "max_spec_offset": self.max_spec_offset,
+            "use_tree_spec": self.use_tree_spec,
+        }
 
     def with_settings(self, **settings: Any) -> SuffixDecodingDrafter:
         """Another drafter on the same warmed cache."""
@@ -126,13 +136,22 @@ class SuffixDecodingDrafter:
     def draft_one(self, rid: int, budget: int):
         if budget <= 0:
             return EMPTY_TREE
-        d = self.cache.speculate(rid, self._ctx[rid], max_spec_tokens=int(budget), max_spec_factor=self.max_spec_factor,
-                                 max_spec_offset=self.max_spec_offset, min_token_prob=self.min_token_prob,
-                                 use_tree_spec=self.use_tree_spec)
+        d = self.cache.speculate(
+            rid,
+            self._ctx[rid],
+            max_spec_tokens=int(budget),
+            max_spec_factor=self.max_spec_factor,
+            max_spec_offset=self.max_spec_offset,
+            min_token_prob=self.min_token_prob,
+            use_tree_spec=self.use_tree_spec,
+        )
         if not len(d.token_ids):
             return EMPTY_TREE
-        return tree(np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.parents, dtype=np.int32),
-                    np.asarray(d.probs, dtype=np.float32))
+        return tree(
+            np.asarray(d.token_ids, dtype=np.int64),
+            np.asarray(d.parents, dtype=np.int32),
+            np.asarray(d.probs, dtype=np.float32),
+        )
 
     def draft(self, request_ids: Sequence[int] | np.ndarray, budget: int) -> sssd.DraftBatch:
         return concat([self.draft_one(rid, budget) for rid in np.asarray(request_ids).tolist()])

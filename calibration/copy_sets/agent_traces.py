@@ -32,7 +32,7 @@ from sssd.calibration.datasets import PromptRecord
 
 AGENT_SYSTEMS = (
     "You are a coding agent working in a checkout of the tqdm repository (version {version}). Call a tool by "
-    "writing one JSON object on its own line: {{\"tool\": <name>, \"arguments\": {{...}}}}. Tools:\n"
+    'writing one JSON object on its own line: {{"tool": <name>, "arguments": {{...}}}}. Tools:\n'
     "- list_dir(path): the files and folders in a folder, with sizes\n"
     "- grep(pattern, path): matching lines as path:line:text (Python regular expressions)\n"
     "- read_file(path, start_line, end_line): lines of a file, numbered\n"
@@ -40,13 +40,13 @@ AGENT_SYSTEMS = (
     "- edit_file(path, old, new): replaces the exact text old with new\n"
     "Think step by step, say what you will do before each call, and finish with a short answer for the user.",
     "You are an autonomous software engineer. The repository is tqdm {version}. You act only through tools; "
-    "to use one, reply with a JSON object {{\"tool\": ..., \"arguments\": ...}}. Available tools: list_dir "
+    'to use one, reply with a JSON object {{"tool": ..., "arguments": ...}}. Available tools: list_dir '
     "{{path}}, grep {{pattern, path}}, read_file {{path, start_line, end_line}}, run_tests {{selector}}, "
     "edit_file {{path, old, new}}. Tool results come back in the next user message. Be precise and quote "
     "code exactly.",
     "System: repository assistant for tqdm {version}.\nTool protocol: emit exactly one JSON object per tool "
-    "call, e.g. {{\"tool\": \"read_file\", \"arguments\": {{\"path\": \"tqdm/std.py\", \"start_line\": 1, "
-    "\"end_line\": 40}}}}.\nTools: list_dir, grep, read_file, run_tests, edit_file.\nWhen you have the answer, "
+    'call, e.g. {{"tool": "read_file", "arguments": {{"path": "tqdm/std.py", "start_line": 1, '
+    '"end_line": 40}}}}.\nTools: list_dir, grep, read_file, run_tests, edit_file.\nWhen you have the answer, '
     "reply without a tool call.",
 )
 
@@ -111,33 +111,51 @@ def _first_paragraph(fn: SourceFunction) -> str | None:
 def _trace_locate(fn: SourceFunction, rng: random.Random, system: str) -> tuple[list[dict], str]:
     """Find a function, read it, answer by quoting it and restating the steps."""
     folder = fn.path.rsplit("/", 1)[0]
-    task = rng.choice([f"Where is `{fn.name}` implemented in tqdm, and what does it look like? Show me its code.",
-                       f"I need to understand `{fn.qualname.split('.', 1)[1]}`. Find its definition and quote it.",
-                       f"Find the definition of `{fn.name}`{' in class `' + fn.cls + '`' if fn.cls else ''} and "
-                       "show it to me verbatim."])
-    plan = (f"Plan:\n1. List `{folder}` to see the modules.\n2. Grep for the `def {fn.name}` line.\n"
-            f"3. Read the lines of the definition.\n4. Quote the code and summarise where it is.")
+    task = rng.choice(
+        [
+            f"Where is `{fn.name}` implemented in tqdm, and what does it look like? Show me its code.",
+            f"I need to understand `{fn.qualname.split('.', 1)[1]}`. Find its definition and quote it.",
+            f"Find the definition of `{fn.name}`{' in class `' + fn.cls + '`' if fn.cls else ''} and "
+            "show it to me verbatim.",
+        ]
+    )
+    plan = (
+        f"Plan:\n1. List `{folder}` to see the modules.\n2. Grep for the `def {fn.name}` line.\n"
+        f"3. Read the lines of the definition.\n4. Quote the code and summarise where it is."
+    )
     pattern = rf"def {fn.name}\b"
     hits = _grep(pattern)
     lo, hi = max(1, fn.start - 2), fn.end + 2
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": task},
-            {"role": "assistant", "content": f"{plan}\n\n{_call('list_dir', path=folder)}"},
-            _tool_output("list_dir", _listing(folder)),
-            {"role": "assistant", "content": f"Now I search for the definition.\n"
-                                             f"{_call('grep', pattern=pattern, path='tqdm')}"},
-            _tool_output("grep", _grep_text(hits)),
-            {"role": "assistant", "content": f"It is in `{fn.path}` at line {fn.start}. Reading it.\n"
-                                             f"{_call('read_file', path=fn.path, start_line=lo, end_line=hi)}"},
-            _tool_output("read_file", _numbered(fn.path, lo, hi))]
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": task},
+        {"role": "assistant", "content": f"{plan}\n\n{_call('list_dir', path=folder)}"},
+        _tool_output("list_dir", _listing(folder)),
+        {
+            "role": "assistant",
+            "content": f"Now I search for the definition.\n{_call('grep', pattern=pattern, path='tqdm')}",
+        },
+        _tool_output("grep", _grep_text(hits)),
+        {
+            "role": "assistant",
+            "content": f"It is in `{fn.path}` at line {fn.start}. Reading it.\n"
+            f"{_call('read_file', path=fn.path, start_line=lo, end_line=hi)}",
+        },
+        _tool_output("read_file", _numbered(fn.path, lo, hi)),
+    ]
     hit = next(f"{p}:{n}:{line}" for p, n, line in hits if p == fn.path and fn.start <= n <= fn.end)
     file_code = reindent(fn.source, fn.indent)
-    ref = (f"`{fn.name}` is defined in `{fn.path}`, lines {fn.start}-{fn.end}"
-           f"{' (a method of class `' + fn.cls + '`)' if fn.cls else ''}:\n\n{_code_block(file_code)}\n")
+    ref = (
+        f"`{fn.name}` is defined in `{fn.path}`, lines {fn.start}-{fn.end}"
+        f"{' (a method of class `' + fn.cls + '`)' if fn.cls else ''}:\n\n{_code_block(file_code)}\n"
+    )
     doc = _first_paragraph(fn)
     if doc:
-        ref += f"\nIts docstring begins: \"{doc}\"\n"
-    ref += (f"\nWhat I did:\n1. Listed `{folder}`.\n2. Grepped for `def {fn.name}`: {len(hits)} match"
-            f"{'es' if len(hits) != 1 else ''}, among them `{hit}`.\n3. Read lines {lo}-{hi} of `{fn.path}`.")
+        ref += f'\nIts docstring begins: "{doc}"\n'
+    ref += (
+        f"\nWhat I did:\n1. Listed `{folder}`.\n2. Grepped for `def {fn.name}`: {len(hits)} match"
+        f"{'es' if len(hits) != 1 else ''}, among them `{hit}`.\n3. Read lines {lo}-{hi} of `{fn.path}`."
+    )
     return msgs, ref
 
 
@@ -146,23 +164,36 @@ def _trace_continue(path: str, rng: random.Random, system: str, reads: int) -> t
     text = dict(_source_files())[path]
     n_lines = len(text.splitlines())
     step = rng.choice([40, 50, 60])
-    topic = rng.choice(["how it handles its arguments", "what it imports and why", "its public API",
-                        "how errors are handled"])
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": f"Read `{path}` and tell me {topic}."},
-            {"role": "assistant", "content": f"Plan: read `{path}` in chunks of {step} lines, note {topic}, then "
-                                             f"answer.\n{_call('read_file', path=path, start_line=1, end_line=step)}"},
-            _tool_output("read_file", _numbered(path, 1, step))]
+    topic = rng.choice(
+        ["how it handles its arguments", "what it imports and why", "its public API", "how errors are handled"]
+    )
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Read `{path}` and tell me {topic}."},
+        {
+            "role": "assistant",
+            "content": f"Plan: read `{path}` in chunks of {step} lines, note {topic}, then "
+            f"answer.\n{_call('read_file', path=path, start_line=1, end_line=step)}",
+        },
+        _tool_output("read_file", _numbered(path, 1, step)),
+    ]
     for k in range(1, reads):
         a, b = k * step + 1, (k + 1) * step
-        msgs += [{"role": "assistant", "content": f"Continuing with the next {step} lines.\n"
-                                                  f"{_call('read_file', path=path, start_line=a, end_line=b)}"},
-                 _tool_output("read_file", _numbered(path, a, b))]
+        msgs += [
+            {
+                "role": "assistant",
+                "content": f"Continuing with the next {step} lines.\n"
+                f"{_call('read_file', path=path, start_line=a, end_line=b)}",
+            },
+            _tool_output("read_file", _numbered(path, a, b)),
+        ]
     a, b = reads * step + 1, (reads + 1) * step
     tail = _numbered(path, reads * step - 4, reads * step)
-    ref = (f"So far I have read lines 1-{reads * step} of `{path}`, which has {n_lines} lines. The last ones I read "
-           f"were:\n\n{tail}\n\nThat is not the end of the file, so I will read the next {step} lines.\n"
-           f"{_call('read_file', path=path, start_line=a, end_line=b)}")
+    ref = (
+        f"So far I have read lines 1-{reads * step} of `{path}`, which has {n_lines} lines. The last ones I read "
+        f"were:\n\n{tail}\n\nThat is not the end of the file, so I will read the next {step} lines.\n"
+        f"{_call('read_file', path=path, start_line=a, end_line=b)}"
+    )
     return msgs, ref
 
 
@@ -183,66 +214,97 @@ def _trace_fix(fn: SourceFunction, rng: random.Random, system: str) -> tuple[lis
     file_row = fn.start + row - 1
     text = dict(_source_files())[fn.path]
     lines = text.split("\n")
-    buggy_file = "\n".join(lines[:fn.start - 1] + reindent(buggy, fn.indent).split("\n") + lines[fn.end:])
+    buggy_file = "\n".join(lines[: fn.start - 1] + reindent(buggy, fn.indent).split("\n") + lines[fn.end :])
     bad_line = buggy_file.split("\n")[file_row - 1]
     good_line = lines[file_row - 1]
     module = fn.path.rsplit("/", 1)[-1][:-3].lstrip("_")
     test = f"tests/tests_{module}.py::test_{fn.name.strip('_')}"
-    exc = rng.choice(["AssertionError: assert 0 == 1", "AssertionError: expected 10, got 9",
-                      "ValueError: unexpected value", "AssertionError: output differs from expected"])
-    pytest_out = (f"============================= test session starts ==============================\n"
-                  f"collected 1 item\n\n{test} F{'':>30s}[100%]\n\n"
-                  f"=================================== FAILURES ===================================\n"
-                  f"_{'_' * 20} test_{fn.name.strip('_')} {'_' * 20}\n\n"
-                  f"    def test_{fn.name.strip('_')}():\n>       check_{fn.name.strip('_')}()\n\n"
-                  f"{fn.path}:{file_row}: in {fn.name}\n    {bad_line.strip()}\nE   {exc}\n"
-                  f"=========================== short test summary info ============================\n"
-                  f"FAILED {test} - {exc}\n"
-                  f"============================== 1 failed in 0.42s ===============================")
+    exc = rng.choice(
+        [
+            "AssertionError: assert 0 == 1",
+            "AssertionError: expected 10, got 9",
+            "ValueError: unexpected value",
+            "AssertionError: output differs from expected",
+        ]
+    )
+    pytest_out = (
+        f"============================= test session starts ==============================\n"
+        f"collected 1 item\n\n{test} F{'':>30s}[100%]\n\n"
+        f"=================================== FAILURES ===================================\n"
+        f"_{'_' * 20} test_{fn.name.strip('_')} {'_' * 20}\n\n"
+        f"    def test_{fn.name.strip('_')}():\n>       check_{fn.name.strip('_')}()\n\n"
+        f"{fn.path}:{file_row}: in {fn.name}\n    {bad_line.strip()}\nE   {exc}\n"
+        f"=========================== short test summary info ============================\n"
+        f"FAILED {test} - {exc}\n"
+        f"============================== 1 failed in 0.42s ==============================="
+    )
     lo, hi = max(1, fn.start - 2), fn.end + 2
-    plan = ("Plan:\n1. Run the failing test to see the error.\n2. Read the code it points to.\n"
-            "3. Fix the line at fault with edit_file.\n4. Rerun the test.")
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": f"`{test}` started failing after a recent change. Find the bug and fix it."},
-            {"role": "assistant", "content": f"{plan}\n\n{_call('run_tests', selector=test)}"},
-            _tool_output("run_tests", pytest_out),
-            {"role": "assistant", "content": f"The traceback points at `{fn.path}` line {file_row}, in `{fn.name}`. "
-                                             f"Reading the function.\n"
-                                             f"{_call('read_file', path=fn.path, start_line=lo, end_line=hi)}"},
-            _tool_output("read_file", _numbered(fn.path, lo, hi, buggy_file))]
+    plan = (
+        "Plan:\n1. Run the failing test to see the error.\n2. Read the code it points to.\n"
+        "3. Fix the line at fault with edit_file.\n4. Rerun the test."
+    )
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"`{test}` started failing after a recent change. Find the bug and fix it."},
+        {"role": "assistant", "content": f"{plan}\n\n{_call('run_tests', selector=test)}"},
+        _tool_output("run_tests", pytest_out),
+        {
+            "role": "assistant",
+            "content": f"The traceback points at `{fn.path}` line {file_row}, in `{fn.name}`. "
+            f"Reading the function.\n"
+            f"{_call('read_file', path=fn.path, start_line=lo, end_line=hi)}",
+        },
+        _tool_output("read_file", _numbered(fn.path, lo, hi, buggy_file)),
+    ]
     op_bad, op_good = FLIPS[site.string], site.string
-    ref = (f"The failure comes from line {file_row} of `{fn.path}`:\n\n    {file_row} | {bad_line}\n\n"
-           f"`{op_bad}` there should be `{op_good}`. Fixing it:\n"
-           f"{_call('edit_file', path=fn.path, old=bad_line.strip(), new=good_line.strip())}\n"
-           f"Then I will rerun the test:\n{_call('run_tests', selector=test)}")
+    ref = (
+        f"The failure comes from line {file_row} of `{fn.path}`:\n\n    {file_row} | {bad_line}\n\n"
+        f"`{op_bad}` there should be `{op_good}`. Fixing it:\n"
+        f"{_call('edit_file', path=fn.path, old=bad_line.strip(), new=good_line.strip())}\n"
+        f"Then I will rerun the test:\n{_call('run_tests', selector=test)}"
+    )
     return msgs, ref
 
 
 def _trace_summary(fns: list[SourceFunction], rng: random.Random, system: str) -> tuple[list[dict], str]:
     """Several calls; the user asks to restate the plan and list the calls with their key results."""
     names = ", ".join(f"`{f.name}`" for f in fns)
-    plan_steps = [f"Grep for the definitions of {names}.",
-                  *[f"Read `{f.name}` in `{f.path}`." for f in fns],
-                  "Compare how they handle their arguments.", "Report the differences to the user."]
+    plan_steps = [
+        f"Grep for the definitions of {names}.",
+        *[f"Read `{f.name}` in `{f.path}`." for f in fns],
+        "Compare how they handle their arguments.",
+        "Report the differences to the user.",
+    ]
     plan = "Plan:\n" + "\n".join(f"{i}. {s}" for i, s in enumerate(plan_steps, start=1))
     pattern = "def (" + "|".join(re.escape(f.name) for f in fns) + r")\b"
     hits = _grep(pattern)
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": f"Compare {names}: how does each handle its arguments?"},
-            {"role": "assistant", "content": f"{plan}\n\n{_call('grep', pattern=pattern, path='tqdm')}"},
-            _tool_output("grep", _grep_text(hits))]
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Compare {names}: how does each handle its arguments?"},
+        {"role": "assistant", "content": f"{plan}\n\n{_call('grep', pattern=pattern, path='tqdm')}"},
+        _tool_output("grep", _grep_text(hits)),
+    ]
     calls = [(_call("grep", pattern=pattern, path="tqdm"), f"{len(hits)} matching lines")]
     for f in fns:
         lo, hi = f.start, min(f.end, f.start + rng.choice([14, 18, 24]))
         call = _call("read_file", path=f.path, start_line=lo, end_line=hi)
-        msgs += [{"role": "assistant", "content": f"Reading `{f.name}`.\n{call}"},
-                 _tool_output("read_file", _numbered(f.path, lo, hi))]
+        msgs += [
+            {"role": "assistant", "content": f"Reading `{f.name}`.\n{call}"},
+            _tool_output("read_file", _numbered(f.path, lo, hi)),
+        ]
         calls.append((call, f"the first line is `{dict(_source_files())[f.path].split(chr(10))[lo - 1].strip()}`"))
-    msgs.append({"role": "user", "content": rng.choice([
-        "Before you go on: restate your plan, then list every tool call you made so far (the JSON) with its key "
-        "result.",
-        "Pause here. Repeat your plan and list the tool calls made so far, each with what it returned.",
-    ])})
+    msgs.append(
+        {
+            "role": "user",
+            "content": rng.choice(
+                [
+                    "Before you go on: restate your plan, then list every tool call you made so far (the JSON) with its key "
+                    "result.",
+                    "Pause here. Repeat your plan and list the tool calls made so far, each with what it returned.",
+                ]
+            ),
+        }
+    )
     done = len(fns) + 1
     ref = plan.replace("Plan:", "My plan:") + "\n\nTool calls so far:\n"
     ref += "\n".join(f"{i}. {c}\n   -> {res}" for i, (c, res) in enumerate(calls, start=1))
@@ -260,24 +322,37 @@ def _trace_listing(folder: str, rng: random.Random, system: str, by: str) -> tup
     if len(values) < 4:
         return None
     round_to = 100 if by == "bytes" else 10
-    threshold = rng.choice(values[len(values) // 3: -1]) // round_to * round_to
+    threshold = rng.choice(values[len(values) // 3 : -1]) // round_to * round_to
     big = [r for r in rows if int(r.split()[col]) > threshold]
     if not big:
         return None
     largest = max(big, key=lambda r: (int(r.split()[col]), r))
     name = largest.split()[0]
     what = f"larger than {threshold} bytes" if by == "bytes" else f"longer than {threshold} lines"
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": rng.choice([f"Which files directly in `{folder}` are {what}? Then open the "
-                                                    "largest one.",
-                                                    f"List the files in `{folder}` that are {what}, and show me the "
-                                                    "beginning of the biggest."])},
-            {"role": "assistant", "content": f"Plan: list `{folder}`, pick the files {what}, then read the start "
-                                             f"of the largest.\n{_call('list_dir', path=folder)}"},
-            _tool_output("list_dir", listing)]
-    ref = (f"These files in `{folder}` are {what} ({len(big)} of {len(rows)}):\n\n"
-           + "\n".join(big) + f"\n\nThe largest is `{name}`. Opening it.\n"
-           + _call("read_file", path=f"{folder}/{name}", start_line=1, end_line=60))
+    msgs = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": rng.choice(
+                [
+                    f"Which files directly in `{folder}` are {what}? Then open the largest one.",
+                    f"List the files in `{folder}` that are {what}, and show me the beginning of the biggest.",
+                ]
+            ),
+        },
+        {
+            "role": "assistant",
+            "content": f"Plan: list `{folder}`, pick the files {what}, then read the start "
+            f"of the largest.\n{_call('list_dir', path=folder)}",
+        },
+        _tool_output("list_dir", listing),
+    ]
+    ref = (
+        f"These files in `{folder}` are {what} ({len(big)} of {len(rows)}):\n\n"
+        + "\n".join(big)
+        + f"\n\nThe largest is `{name}`. Opening it.\n"
+        + _call("read_file", path=f"{folder}/{name}", start_line=1, end_line=60)
+    )
     return msgs, ref
 
 
@@ -285,12 +360,24 @@ def _trace_grep(word: str, rng: random.Random, system: str) -> tuple[list[dict],
     """Grep for an identifier; the answer lists the hits grouped by file."""
     pattern = rf"\b{word}\b"
     hits = _grep(pattern)
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": rng.choice([f"Find every use of `{word}` in the package, grouped by file.",
-                                                    f"Where is `{word}` used? List each line, file by file."])},
-            {"role": "assistant", "content": f"Plan: grep the package for `{word}` as a whole word, then group the "
-                                             f"hits by file.\n{_call('grep', pattern=pattern, path='tqdm')}"},
-            _tool_output("grep", _grep_text(hits))]
+    msgs = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": rng.choice(
+                [
+                    f"Find every use of `{word}` in the package, grouped by file.",
+                    f"Where is `{word}` used? List each line, file by file.",
+                ]
+            ),
+        },
+        {
+            "role": "assistant",
+            "content": f"Plan: grep the package for `{word}` as a whole word, then group the "
+            f"hits by file.\n{_call('grep', pattern=pattern, path='tqdm')}",
+        },
+        _tool_output("grep", _grep_text(hits)),
+    ]
     files = list(dict.fromkeys(p for p, _, _ in hits))
     ref = f"`{word}` occurs on {len(hits)} lines in {len(files)} file{'s' if len(files) != 1 else ''}:\n"
     for p in files:
@@ -304,18 +391,27 @@ def _trace_again(f1: SourceFunction, f2: SourceFunction, rng: random.Random, sys
     p1, p2 = rf"def {f1.name}\b", rf"def {f2.name}\b"
     h1 = _grep(p1)
     lo, hi = f1.start, min(f1.end, f1.start + rng.choice([10, 15, 20]))
-    msgs = [{"role": "system", "content": system},
-            {"role": "user", "content": f"Show me the signatures of `{f1.name}` and `{f2.name}`, with their first "
-                                        "lines."},
-            {"role": "assistant", "content": f"Plan: for each function, grep for its definition, then read its first "
-                                             f"lines.\n{_call('grep', pattern=p1, path='tqdm')}"},
-            _tool_output("grep", _grep_text(h1)),
-            {"role": "assistant", "content": f"Reading `{f1.name}` in `{f1.path}`.\n"
-                                             f"{_call('read_file', path=f1.path, start_line=lo, end_line=hi)}"},
-            _tool_output("read_file", _numbered(f1.path, lo, hi))]
-    first = "\n".join(dict(_source_files())[f1.path].split("\n")[lo - 1:hi])
-    ref = (f"`{f1.name}` ({f1.path}, line {f1.start}) starts like this:\n\n{_code_block(first)}\n\n"
-           f"Now the same for `{f2.name}`:\n{_call('grep', pattern=p2, path='tqdm')}")
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Show me the signatures of `{f1.name}` and `{f2.name}`, with their first lines."},
+        {
+            "role": "assistant",
+            "content": f"Plan: for each function, grep for its definition, then read its first "
+            f"lines.\n{_call('grep', pattern=p1, path='tqdm')}",
+        },
+        _tool_output("grep", _grep_text(h1)),
+        {
+            "role": "assistant",
+            "content": f"Reading `{f1.name}` in `{f1.path}`.\n"
+            f"{_call('read_file', path=f1.path, start_line=lo, end_line=hi)}",
+        },
+        _tool_output("read_file", _numbered(f1.path, lo, hi)),
+    ]
+    first = "\n".join(dict(_source_files())[f1.path].split("\n")[lo - 1 : hi])
+    ref = (
+        f"`{f1.name}` ({f1.path}, line {f1.start}) starts like this:\n\n{_code_block(first)}\n\n"
+        f"Now the same for `{f2.name}`:\n{_call('grep', pattern=p2, path='tqdm')}"
+    )
     return msgs, ref
 
 
@@ -353,12 +449,16 @@ def agent_traces() -> list[PromptRecord]:
         state = rng.getstate()
         for reads in (1, 2):
             rng.setstate(state)  # the same step and topic for both cuts
-            add(f"agent-traces/continue/{path}" + ("" if reads == 1 else f"#{reads}"),
-                _trace_continue(path, rng, system, reads))
+            add(
+                f"agent-traces/continue/{path}" + ("" if reads == 1 else f"#{reads}"),
+                _trace_continue(path, rng, system, reads),
+            )
     for folder in folders:  # four questions on one listing: one group
         for k, by in enumerate(("bytes", "lines", "bytes", "lines"), start=1):
-            add(f"agent-traces/listing/{folder}" + ("" if k == 1 else f"#{k}"),
-                _trace_listing(folder, rng, rng.choice(systems), by))
+            add(
+                f"agent-traces/listing/{folder}" + ("" if k == 1 else f"#{k}"),
+                _trace_listing(folder, rng, rng.choice(systems), by),
+            )
     # identifiers used on 4-16 lines of the package, for grep
     counts: dict[str, int] = {}
     for _, text in _source_files():
@@ -373,8 +473,10 @@ def agent_traces() -> list[PromptRecord]:
         if n >= 30:
             break
         group = sorted(rng.sample(fns, rng.choice([2, 3])), key=lambda f: f.qualname)
-        n += add("agent-traces/summary/" + "+".join(f.qualname for f in group),
-                 _trace_summary(group, rng, rng.choice(systems)))
+        n += add(
+            "agent-traces/summary/" + "+".join(f.qualname for f in group),
+            _trace_summary(group, rng, rng.choice(systems)),
+        )
     n = 0
     for _ in range(200):
         if n >= 25:

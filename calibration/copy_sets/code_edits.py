@@ -51,19 +51,47 @@ from sssd.calibration.copy_sets.transforms import (
 )
 from sssd.calibration.datasets import PromptRecord
 
-EDIT_KINDS = ("rename-var", "remove-comments", "add-log", "rename-function", "wrap-try", "change-constant",
-              "fix-bug")
+EDIT_KINDS = ("rename-var", "remove-comments", "add-log", "rename-function", "wrap-try", "change-constant", "fix-bug")
 FILE_KINDS = ("rename-var", "remove-comments", "add-log", "change-constant", "fix-bug")
 
 
 #: Readable new names for common identifiers (else a pattern picked by the RNG).
-RENAMES = {"n": "count", "i": "idx", "x": "value", "fp": "stream", "total": "total_count", "desc": "description",
-           "kwargs": "options", "args": "positional", "s": "text", "t": "elapsed", "res": "result",
-           "msg": "message", "pos": "position", "bar": "progress_bar", "fn": "func", "f": "func",
-           "e": "exc", "k": "key", "v": "val", "d": "data", "ncols": "num_columns", "nrows": "num_rows",
-           "unit": "unit_name", "file": "out_file", "chunksize": "chunk_size", "max_workers": "num_workers",
-           "dt": "delta_t", "dn": "delta_n", "cur_t": "now", "last_print_t": "last_shown_t",
-           "mininterval": "min_interval", "miniters": "min_iters", "instance": "inst", "iterable": "items"}
+RENAMES = {
+    "n": "count",
+    "i": "idx",
+    "x": "value",
+    "fp": "stream",
+    "total": "total_count",
+    "desc": "description",
+    "kwargs": "options",
+    "args": "positional",
+    "s": "text",
+    "t": "elapsed",
+    "res": "result",
+    "msg": "message",
+    "pos": "position",
+    "bar": "progress_bar",
+    "fn": "func",
+    "f": "func",
+    "e": "exc",
+    "k": "key",
+    "v": "val",
+    "d": "data",
+    "ncols": "num_columns",
+    "nrows": "num_rows",
+    "unit": "unit_name",
+    "file": "out_file",
+    "chunksize": "chunk_size",
+    "max_workers": "num_workers",
+    "dt": "delta_t",
+    "dn": "delta_n",
+    "cur_t": "now",
+    "last_print_t": "last_shown_t",
+    "mininterval": "min_interval",
+    "miniters": "min_iters",
+    "instance": "inst",
+    "iterable": "items",
+}
 
 
 def _new_name(old: str, taken: set[str], rng: random.Random) -> str:
@@ -122,49 +150,85 @@ def make_edit(fn: SourceFunction, kind: str, rng: random.Random) -> Edit:
                 continue
             is_param = old in {a.arg for a in ast.walk(_function_node(src)) if isinstance(a, ast.arg)}
             noun = "parameter" if is_param else "local variable"
-            instr = rng.choice([
-                f"Rename the {noun} `{old}` to `{new}` everywhere in the {what}. Do not change anything else.",
-                f"In the {what}, rename `{old}` to `{new}` (it is a {noun}). Keep all other code as is.",
-                f"Please rename the {noun} `{old}` of the {what} to `{new}`, at every use.",
-            ])
+            instr = rng.choice(
+                [
+                    f"Rename the {noun} `{old}` to `{new}` everywhere in the {what}. Do not change anything else.",
+                    f"In the {what}, rename `{old}` to `{new}` (it is a {noun}). Keep all other code as is.",
+                    f"Please rename the {noun} `{old}` of the {what} to `{new}`, at every use.",
+                ]
+            )
             return Edit(kind, instr, src, out)
         raise EditError("no exact rename")
     if kind == "remove-comments":
         out = remove_comments(src)
-        return Edit(kind, rng.choice([
-            f"Remove all comments from the {what}. Leave the code and the docstring unchanged.",
-            f"Strip every `#` comment out of the {what}; keep everything else exactly as it is.",
-            f"Clean up the {what} by deleting all of its comments (docstrings stay).",
-        ]), src, out)
+        return Edit(
+            kind,
+            rng.choice(
+                [
+                    f"Remove all comments from the {what}. Leave the code and the docstring unchanged.",
+                    f"Strip every `#` comment out of the {what}; keep everything else exactly as it is.",
+                    f"Clean up the {what} by deleting all of its comments (docstrings stay).",
+                ]
+            ),
+            src,
+            out,
+        )
     if kind == "add-log":
-        stmt = rng.choice([f'print("entering {fn.name}")', f'logger.debug("{fn.qualname} called")',
-                           f'logger.info("start %s", "{fn.name}")'])
+        stmt = rng.choice(
+            [
+                f'print("entering {fn.name}")',
+                f'logger.debug("{fn.qualname} called")',
+                f'logger.info("start %s", "{fn.name}")',
+            ]
+        )
         out = insert_statement(src, stmt)
-        return Edit(kind, rng.choice([
-            f"Add the line `{stmt}` as the first statement of the {what}'s body (after its docstring, if any).",
-            f"Insert `{stmt}` at the top of the body of the {what}, right after the docstring if there is one.",
-        ]), src, out)
+        return Edit(
+            kind,
+            rng.choice(
+                [
+                    f"Add the line `{stmt}` as the first statement of the {what}'s body (after its docstring, if any).",
+                    f"Insert `{stmt}` at the top of the body of the {what}, right after the docstring if there is one.",
+                ]
+            ),
+            src,
+            out,
+        )
     if kind == "rename-function":
-        if fn.name.startswith("__") or any(isinstance(n, ast.Attribute) and n.attr == fn.name
-                                           for n in ast.walk(_function_node(src))):
+        if fn.name.startswith("__") or any(
+            isinstance(n, ast.Attribute) and n.attr == fn.name for n in ast.walk(_function_node(src))
+        ):
             raise EditError("dunder or called as an attribute")
         base = fn.name.lstrip("_")
         prefix = fn.name[: len(fn.name) - len(base)]
         options = [f"{prefix}{base}_impl", f"{prefix}{base}_v2", f"{prefix}do_{base}", f"{prefix}new_{base}"]
         new = rng.choice([o for o in options if o not in _names(src)])
         out = rename_identifier(src, fn.name, new, include_def=True)
-        return Edit(kind, rng.choice([
-            f"Rename the {what} to `{new}` (recursive calls too, if any). Change nothing else.",
-            f"Change the name of the {what} to `{new}`.",
-        ]), src, out)
+        return Edit(
+            kind,
+            rng.choice(
+                [
+                    f"Rename the {what} to `{new}` (recursive calls too, if any). Change nothing else.",
+                    f"Change the name of the {what} to `{new}`.",
+                ]
+            ),
+            src,
+            out,
+        )
     if kind == "wrap-try":
         out = wrap_try(src, fn.name)
-        return Edit(kind, rng.choice([
-            f"Wrap the body of the {what} (everything after the docstring) in a `try:` block, followed by "
-            f"`except Exception as err:` that calls `logger.error(\"{fn.name} failed: %s\", err)` and re-raises.",
-            f"Make the {what} log failures: put its body after the docstring inside `try:` and add "
-            f"`except Exception as err:` with `logger.error(\"{fn.name} failed: %s\", err)` then `raise`.",
-        ]), src, out)
+        return Edit(
+            kind,
+            rng.choice(
+                [
+                    f"Wrap the body of the {what} (everything after the docstring) in a `try:` block, followed by "
+                    f'`except Exception as err:` that calls `logger.error("{fn.name} failed: %s", err)` and re-raises.',
+                    f"Make the {what} log failures: put its body after the docstring inside `try:` and add "
+                    f'`except Exception as err:` with `logger.error("{fn.name} failed: %s", err)` then `raise`.',
+                ]
+            ),
+            src,
+            out,
+        )
     if kind == "change-constant":
         sites = numeric_sites(src)
         if not sites:
@@ -174,10 +238,18 @@ def make_edit(fn: SourceFunction, kind: str, rng: random.Random) -> Edit:
         new = new_number(node.value)
         out = change_constant(src, node, new)
         n = node.lineno
-        return Edit(kind, rng.choice([
-            f"On line {n} of the {what} (`{lines[n - 1].strip()}`), change the constant `{old}` to `{new}`.",
-            f"Change `{old}` to `{new}` in this line of the {what}: `{lines[n - 1].strip()}`.",
-        ]), src, out, n)
+        return Edit(
+            kind,
+            rng.choice(
+                [
+                    f"On line {n} of the {what} (`{lines[n - 1].strip()}`), change the constant `{old}` to `{new}`.",
+                    f"Change `{old}` to `{new}` in this line of the {what}: `{lines[n - 1].strip()}`.",
+                ]
+            ),
+            src,
+            out,
+            n,
+        )
     if kind == "fix-bug":
         sites = operator_sites(src)
         rng.shuffle(sites)
@@ -188,12 +260,20 @@ def make_edit(fn: SourceFunction, kind: str, rng: random.Random) -> Edit:
                 continue
             n = site.start[0]
             bad = buggy.split("\n")[n - 1].strip()
-            return Edit(kind, rng.choice([
-                f"There is a bug on line {n} of the {what}: `{bad}`. Fix it and reply with the whole corrected "
-                f"{'method' if fn.cls else 'function'}.",
-                f"The {what} misbehaves because of line {n} (`{bad}`): one operator there is wrong. Fix the bug.",
-                f"Fix the bug in the {what}. Hint: it is on line {n}, `{bad}`.",
-            ]), buggy, src, n)
+            return Edit(
+                kind,
+                rng.choice(
+                    [
+                        f"There is a bug on line {n} of the {what}: `{bad}`. Fix it and reply with the whole corrected "
+                        f"{'method' if fn.cls else 'function'}.",
+                        f"The {what} misbehaves because of line {n} (`{bad}`): one operator there is wrong. Fix the bug.",
+                        f"Fix the bug in the {what}. Hint: it is on line {n}, `{bad}`.",
+                    ]
+                ),
+                buggy,
+                src,
+                n,
+            )
         raise EditError("no operator to flip")
     raise ValueError(f"unknown edit kind {kind!r}")
 
@@ -207,7 +287,7 @@ def _file_excerpt(path: str, text: str, fn: SourceFunction, body: str) -> tuple[
     replaced by ``body``): the whole file if it fits MAX_PROMPT_CHARS, else lines added on both sides
     of the function until the excerpt would pass it, starting after a blank line."""
     lines = text.rstrip("\n").split("\n")
-    lines = lines[:fn.start - 1] + body.split("\n") + lines[fn.end:]
+    lines = lines[: fn.start - 1] + body.split("\n") + lines[fn.end :]
     end_fn = fn.start - 1 + len(body.split("\n"))
     budget = MAX_PROMPT_CHARS - 1500
     if len(text) <= budget:
@@ -248,8 +328,9 @@ def code_edits() -> list[PromptRecord]:
             except EditError:
                 continue
             user = f"{e.instruction}\n\n{_code_block(e.shown)}"
-            out.append(PromptRecord(f"{base}#{kind}", "code-edits", [{"role": "user", "content": user}],
-                                    _code_block(e.answer)))
+            out.append(
+                PromptRecord(f"{base}#{kind}", "code-edits", [{"role": "user", "content": user}], _code_block(e.answer))
+            )
         kinds = list(FILE_KINDS)
         rng.shuffle(kinds)
         for kind in kinds:
@@ -259,17 +340,29 @@ def code_edits() -> list[PromptRecord]:
                 continue
             excerpt, a, b = _file_excerpt(fn.path, files[fn.path], fn, reindent(e.shown, fn.indent))
             whole = a == 1 and b >= len(files[fn.path].rstrip("\n").split("\n"))
-            where = (f"Below is the file `{fn.path}` from tqdm {version}." if whole
-                     else f"Below are lines {a}-{b} of `{fn.path}` from tqdm {version}.")
+            where = (
+                f"Below is the file `{fn.path}` from tqdm {version}."
+                if whole
+                else f"Below are lines {a}-{b} of `{fn.path}` from tqdm {version}."
+            )
             owner = f" of class `{fn.cls}`" if fn.cls else ""
             instr = e.instruction
             if e.line is not None:  # line numbers count from the def: say so for the file
-                instr += (f" (Line {e.line} counts from the `{fn.name}` definition's first line, {fn.start} in "
-                          "the file.)")
-            user = (f"{where} {instr}\n\nReply with only the edited "
-                    f"`{fn.name}`{owner}, keeping its indentation in the file, in a ```python block.\n\n"
-                    f"{_code_block(excerpt)}")
-            out.append(PromptRecord(f"{base}#file-{kind}", "code-edits", [{"role": "user", "content": user}],
-                                    _code_block(reindent(e.answer, fn.indent))))
+                instr += (
+                    f" (Line {e.line} counts from the `{fn.name}` definition's first line, {fn.start} in the file.)"
+                )
+            user = (
+                f"{where} {instr}\n\nReply with only the edited "
+                f"`{fn.name}`{owner}, keeping its indentation in the file, in a ```python block.\n\n"
+                f"{_code_block(excerpt)}"
+            )
+            out.append(
+                PromptRecord(
+                    f"{base}#file-{kind}",
+                    "code-edits",
+                    [{"role": "user", "content": user}],
+                    _code_block(reindent(e.answer, fn.indent)),
+                )
+            )
             break
     return out

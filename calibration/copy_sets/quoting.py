@@ -20,15 +20,83 @@ from sssd.calibration.copy_sets.constants import MAX_LONG_PROMPT_CHARS, MAX_PROM
 from sssd.calibration.datasets import PromptRecord
 
 #: Standard-library modules whose docstrings are the passages.
-QUOTE_MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "collections",
-                 "configparser", "contextlib", "copy", "csv", "dataclasses", "difflib", "dis", "enum", "filecmp",
-                 "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt", "getpass", "glob",
-                 "graphlib", "gzip", "heapq", "hmac", "html", "http.client", "imaplib", "inspect", "ipaddress",
-                 "json", "locale", "logging", "mimetypes", "numbers", "optparse", "pathlib", "pickle", "platform",
-                 "poplib", "pprint", "queue", "random", "sched", "secrets", "selectors", "shlex", "shutil",
-                 "smtplib", "socketserver", "statistics", "string", "subprocess", "sysconfig", "tarfile",
-                 "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "types",
-                 "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref", "zipapp", "zipfile")
+QUOTE_MODULES = (
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "difflib",
+    "dis",
+    "enum",
+    "filecmp",
+    "fileinput",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "getpass",
+    "glob",
+    "graphlib",
+    "gzip",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "json",
+    "locale",
+    "logging",
+    "mimetypes",
+    "numbers",
+    "optparse",
+    "pathlib",
+    "pickle",
+    "platform",
+    "poplib",
+    "pprint",
+    "queue",
+    "random",
+    "sched",
+    "secrets",
+    "selectors",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socketserver",
+    "statistics",
+    "string",
+    "subprocess",
+    "sysconfig",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "types",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "zipapp",
+    "zipfile",
+)
 
 PASSAGE_MIN, PASSAGE_MAX = 200, 1800
 
@@ -86,10 +154,11 @@ def _render(chosen: list[tuple[str, str]]) -> str:
     return "\n\n".join(f"[Passage {i}] {title}\n{text}" for i, (title, text) in enumerate(chosen, start=1))
 
 
-QUOTE_SYSTEMS = ("You answer questions using only the passages the user gives you. Quote them verbatim and cite "
-                 "them by number.",
-                 "You are a documentation assistant. Ground every answer in the numbered passages; when asked to "
-                 "quote, copy the text exactly.")
+QUOTE_SYSTEMS = (
+    "You answer questions using only the passages the user gives you. Quote them verbatim and cite them by number.",
+    "You are a documentation assistant. Ground every answer in the numbered passages; when asked to "
+    "quote, copy the text exactly.",
+)
 
 
 def quoting(n: int = 180) -> list[PromptRecord]:
@@ -116,8 +185,14 @@ def quoting(n: int = 180) -> list[PromptRecord]:
         targets = [target]
         if kind == "two-passages":
             mod = target.rsplit(".", 1)[0] if target not in QUOTE_MODULES else target
-            siblings = [t for t in titles if t != target and t.startswith(mod + ".") and t not in used
-                        and len(by_title[t]) + len(by_title[target]) <= 2400]
+            siblings = [
+                t
+                for t in titles
+                if t != target
+                and t.startswith(mod + ".")
+                and t not in used
+                and len(by_title[t]) + len(by_title[target]) <= 2400
+            ]
             if not siblings:
                 continue
             targets.append(rng.choice(siblings))
@@ -134,17 +209,23 @@ def quoting(n: int = 180) -> list[PromptRecord]:
         pos = {t: i for i, (t, _) in enumerate(chosen, start=1)}
         if kind == "passage":
             i = pos[target]
-            question = rng.choice([f"What does the documentation of `{target}` say? Quote the passage in full.",
-                                   f"Quote, word for word, the passage that documents `{target}`.",
-                                   f"Find the documentation of `{target}` among the passages and repeat it verbatim."])
-            ref = f"According to passage {i}: \"{by_title[target]}\""
+            question = rng.choice(
+                [
+                    f"What does the documentation of `{target}` say? Quote the passage in full.",
+                    f"Quote, word for word, the passage that documents `{target}`.",
+                    f"Find the documentation of `{target}` among the passages and repeat it verbatim.",
+                ]
+            )
+            ref = f'According to passage {i}: "{by_title[target]}"'
         elif kind == "two-passages":
             a, b = targets
-            question = rng.choice([f"How do `{a}` and `{b}` differ? Answer by quoting the documentation of each, "
-                                   "verbatim.",
-                                   f"Quote the passages that document `{a}` and `{b}`, in that order, word for word."])
-            ref = (f"According to passage {pos[a]}: \"{by_title[a]}\"\n\n"
-                   f"According to passage {pos[b]}: \"{by_title[b]}\"")
+            question = rng.choice(
+                [
+                    f"How do `{a}` and `{b}` differ? Answer by quoting the documentation of each, verbatim.",
+                    f"Quote the passages that document `{a}` and `{b}`, in that order, word for word.",
+                ]
+            )
+            ref = f'According to passage {pos[a]}: "{by_title[a]}"\n\nAccording to passage {pos[b]}: "{by_title[b]}"'
         else:
             words: dict[str, set[str]] = {}
             for t, text in chosen:
@@ -159,12 +240,18 @@ def quoting(n: int = 180) -> list[PromptRecord]:
             if not picks:
                 continue
             word, sentence = rng.choice(picks)
-            question = rng.choice([f"Which passage mentions \"{word}\"? Quote the sentence that contains it.",
-                                   f"Find the sentence that uses the word \"{word}\" and quote it exactly, "
-                                   "saying which passage it is from."])
-            ref = f"Passage {pos[target]} ({target}) mentions it: \"{sentence}\""
-        user = (f"Here are {len(chosen)} passages from the Python standard library's documentation.\n\n"
-                f"{_render(chosen)}\n\nQuestion: {question}")
+            question = rng.choice(
+                [
+                    f'Which passage mentions "{word}"? Quote the sentence that contains it.',
+                    f'Find the sentence that uses the word "{word}" and quote it exactly, '
+                    "saying which passage it is from.",
+                ]
+            )
+            ref = f'Passage {pos[target]} ({target}) mentions it: "{sentence}"'
+        user = (
+            f"Here are {len(chosen)} passages from the Python standard library's documentation.\n\n"
+            f"{_render(chosen)}\n\nQuestion: {question}"
+        )
         used.update(targets)
         msgs = [{"role": "system", "content": rng.choice(QUOTE_SYSTEMS)}, {"role": "user", "content": user}]
         out.append(PromptRecord(f"quoting/{target}#{kind}", "quoting", msgs, ref))

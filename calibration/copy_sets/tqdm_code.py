@@ -73,7 +73,7 @@ def dedent_exact(text: str, indent: str) -> str | None:
         if not line:
             out.append(line)
         elif line.strip() and line.startswith(indent):
-            out.append(line[len(indent):])
+            out.append(line[len(indent) :])
         else:
             return None
     return "\n".join(out)
@@ -103,9 +103,9 @@ def source_functions() -> tuple[SourceFunction, ...]:
                     if not MIN_LINES <= ch.end_lineno - start + 1 <= MAX_LINES:
                         continue
                     segment = ast.get_source_segment(text, ch, padded=True)
-                    head = "\n".join(lines[start - 1:ch.lineno - 1])  # the decorators
+                    head = "\n".join(lines[start - 1 : ch.lineno - 1])  # the decorators
                     full = f"{head}\n{segment}" if head else segment
-                    if full != "\n".join(lines[start - 1:ch.end_lineno]):
+                    if full != "\n".join(lines[start - 1 : ch.end_lineno]):
                         continue
                     indent = lines[ch.lineno - 1][: ch.col_offset]
                     src = dedent_exact(full, indent)
@@ -115,8 +115,11 @@ def source_functions() -> tuple[SourceFunction, ...]:
                         ast.parse(src)
                     except SyntaxError:
                         continue
-                    found.append(SourceFunction(f"{mod}.{prefix}{ch.name}", path, ch.name, cls, src, indent,
-                                                start, ch.end_lineno))
+                    found.append(
+                        SourceFunction(
+                            f"{mod}.{prefix}{ch.name}", path, ch.name, cls, src, indent, start, ch.end_lineno
+                        )
+                    )
 
         walk(tree, "", None)
     found.sort(key=lambda f: f.qualname)

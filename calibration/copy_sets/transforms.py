@@ -118,7 +118,7 @@ def rename_identifier(src: str, old: str, new: str, *, include_def: bool = False
     for n in ast.walk(fn):
         if isinstance(n, ast.Name) and n.id == old or isinstance(n, ast.arg) and n.arg == old:
             a = _offset(src, starts, n.lineno, n.col_offset)
-            if src[a:a + len(old)] != old:
+            if src[a : a + len(old)] != old:
                 raise EditError("position mismatch")
             edits.append((a, a + len(old), new))
     if include_def:
@@ -193,8 +193,9 @@ def insert_statement(src: str, statement: str) -> str:
     out = "\n".join(lines[:at] + [indent + statement] + lines[at:])
     new_fn = _function_node(out)
     new_code = _code_body(new_fn)
-    if (ast.dump(new_code[0]) != ast.dump(ast.parse(statement).body[0])
-            or [ast.dump(s) for s in new_code[1:]] != [ast.dump(s) for s in code]):
+    if ast.dump(new_code[0]) != ast.dump(ast.parse(statement).body[0]) or [ast.dump(s) for s in new_code[1:]] != [
+        ast.dump(s) for s in code
+    ]:
         raise EditError("insertion is not exact")
     return out
 
@@ -227,20 +228,28 @@ def wrap_try(src: str, name: str) -> str:
     lines = src.split("\n")
     interior = _string_interior_rows(src)
     body = [line if not line or (i + 1) in interior else "    " + line for i, line in enumerate(lines) if i >= at]
-    out = "\n".join(lines[:at] + [indent + "try:"] + body + [
-        indent + "except Exception as err:",
-        indent + f'    logger.error("{name} failed: %s", err)',
-        indent + "    raise"])
+    out = "\n".join(
+        lines[:at]
+        + [indent + "try:"]
+        + body
+        + [
+            indent + "except Exception as err:",
+            indent + f'    logger.error("{name} failed: %s", err)',
+            indent + "    raise",
+        ]
+    )
     new_code = _code_body(_function_node(out))
-    if len(new_code) != 1 or not isinstance(new_code[0], ast.Try) or \
-            [ast.dump(s) for s in new_code[0].body] != [ast.dump(s) for s in code]:
+    if (
+        len(new_code) != 1
+        or not isinstance(new_code[0], ast.Try)
+        or [ast.dump(s) for s in new_code[0].body] != [ast.dump(s) for s in code]
+    ):
         raise EditError("wrapping is not exact")
     return out
 
 
 #: Operator flips that make a bug (and back).
-FLIPS = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "==", "+": "-", "-": "+",
-         "+=": "-=", "-=": "+="}
+FLIPS = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "==", "+": "-", "-": "+", "+=": "-=", "-=": "+="}
 
 
 def operator_sites(src: str) -> list[tokenize.TokenInfo]:
@@ -255,7 +264,7 @@ def flip_operator(src: str, site: tokenize.TokenInfo) -> str:
     or does not change the tree."""
     starts = _line_starts(src)
     a = starts[site.start[0] - 1] + site.start[1]
-    out = src[:a] + FLIPS[site.string] + src[a + len(site.string):]
+    out = src[:a] + FLIPS[site.string] + src[a + len(site.string) :]
     try:
         changed = ast.dump(ast.parse(out)) != ast.dump(ast.parse(src))
     except SyntaxError:
@@ -274,8 +283,14 @@ def numeric_sites(src: str) -> list[ast.Constant]:
     lines = src.split("\n")
     out = []
     for n in ast.walk(fn):
-        if (isinstance(n, ast.Constant) and type(n.value) in (int, float) and id(n) not in inside_f
-                and id(n) not in negated and n.lineno == n.end_lineno and n.lineno >= fn.body[0].lineno):
+        if (
+            isinstance(n, ast.Constant)
+            and type(n.value) in (int, float)
+            and id(n) not in inside_f
+            and id(n) not in negated
+            and n.lineno == n.end_lineno
+            and n.lineno >= fn.body[0].lineno
+        ):
             text = ast.get_source_segment(src, n)
             if text and len(re.findall(rf"(?<![\w.]){re.escape(text)}(?![\w.])", lines[n.lineno - 1])) == 1:
                 out.append(n)

@@ -62,7 +62,21 @@ from sssd.datastore_builder.readers.records import (
 from sssd.datastore_builder.readers.sources import detect_format, read_source, resolve_inputs
 
 __all__ = [
-    "BATCH_ROWS", "EXTENSIONS", "FORMATS", "JSON_CHUNK", "MAX_RECORD_BYTES", "MESSAGE_FIELDS", "STDIN", "TEXT_FIELDS",
-    "TEXT_SPLITS", "CorpusError", "Fields", "Record", "Source", "SourceStats", "detect_format", "read_source",
+    "BATCH_ROWS",
+    "EXTENSIONS",
+    "FORMATS",
+    "JSON_CHUNK",
+    "MAX_RECORD_BYTES",
+    "MESSAGE_FIELDS",
+    "STDIN",
+    "TEXT_FIELDS",
+    "TEXT_SPLITS",
+    "CorpusError",
+    "Fields",
+    "Record",
+    "Source",
+    "SourceStats",
+    "detect_format",
+    "read_source",
     "resolve_inputs",
 ]

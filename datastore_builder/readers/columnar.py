@@ -21,8 +21,15 @@ def _read_all(stream: BinaryIO, on_bytes: Callable[[int], None]) -> Any:
     return pa.BufferReader(data)
 
 
-def _arrow_like(source: Any, kind: str, path: str, fields: Fields, stats: SourceStats,
-                on_bytes: Callable[[int], None] = lambda n: None, size: int | None = None) -> Iterator[Record]:
+def _arrow_like(
+    source: Any,
+    kind: str,
+    path: str,
+    fields: Fields,
+    stats: SourceStats,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    size: int | None = None,
+) -> Iterator[Record]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq

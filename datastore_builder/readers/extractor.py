@@ -56,13 +56,19 @@ class _Extractor:
 
     def _check_roles(self) -> None:
         if self.fields.roles != "all":
-            raise CorpusError(f"{self.path}: --roles {self.fields.roles} needs chat messages, but the text is in "
-                              f"plain field(s) {', '.join(self.text_fields)}; use --messages-field or --roles all")
+            raise CorpusError(
+                f"{self.path}: --roles {self.fields.roles} needs chat messages, but the text is in "
+                f"plain field(s) {', '.join(self.text_fields)}; use --messages-field or --roles all"
+            )
 
     def looks_like_record(self, obj: Any) -> bool:
         if not isinstance(obj, dict):
             return False
-        keys = ([self.messages_field] if self.messages_field else list(self.text_fields)) if self.detected else [*MESSAGE_FIELDS, *TEXT_FIELDS]
+        keys = (
+            ([self.messages_field] if self.messages_field else list(self.text_fields))
+            if self.detected
+            else [*MESSAGE_FIELDS, *TEXT_FIELDS]
+        )
         return any(k in obj for k in keys)
 
     def __call__(self, obj: Any) -> Record:
@@ -119,7 +125,9 @@ class _Extractor:
         if self.hits or not self.stats.records or (not final and self.stats.records < 1000):
             return
         name = self.messages_field or ", ".join(self.text_fields)
-        raise CorpusError(f"{self.path}: no record has the field {name!r} (fields seen: {', '.join(map(str, self.first_keys or [])) or 'none'})")
+        raise CorpusError(
+            f"{self.path}: no record has the field {name!r} (fields seen: {', '.join(map(str, self.first_keys or [])) or 'none'})"
+        )
 
 
 def _records(values: Iterator[Any], ext: _Extractor, stats: SourceStats) -> Iterator[Record]:

@@ -35,8 +35,15 @@ class _JsonStream:
     by scanning for its end, without holding more than ``limit`` of it.
     """
 
-    def __init__(self, f: BinaryIO, path: str, stats: SourceStats, looks_like_record: Callable[[Any], bool],
-                 on_bytes: Callable[[int], None], limit: int = MAX_RECORD_BYTES):
+    def __init__(
+        self,
+        f: BinaryIO,
+        path: str,
+        stats: SourceStats,
+        looks_like_record: Callable[[Any], bool],
+        on_bytes: Callable[[int], None],
+        limit: int = MAX_RECORD_BYTES,
+    ):
         self.f = f
         self.path = path
         self.stats = stats
@@ -61,7 +68,7 @@ class _JsonStream:
             raise CorpusError(f"{self.path}: not UTF-8 text near byte {self.bytes_read + e.start:,}") from None
         self.bytes_read += len(data)
         self.base += self.pos
-        self.buf = self.buf[self.pos:] + text
+        self.buf = self.buf[self.pos :] + text
         self.pos = 0
         self.eof = not data
 
@@ -88,7 +95,7 @@ class _JsonStream:
 
     _STRUCTURE = re.compile(r'["{}\[\]]')
     _IN_STRING = re.compile(r'["\\]')
-    _SCALAR_END = re.compile(r'[\s,\]}]')
+    _SCALAR_END = re.compile(r"[\s,\]}]")
 
     def _skip_value(self) -> bool:
         """Moves pos past the JSON value starting at pos by scanning (strings, brackets and

@@ -20,7 +20,7 @@ def _jsonl(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes)
                 stats.skip(_too_large(fields.max_record_bytes), f"line {lineno}")
                 continue
             if line.startswith(_UTF8_BOM):  # files concatenated with their byte-order marks
-                line = line[len(_UTF8_BOM):]
+                line = line[len(_UTF8_BOM) :]
             if not line.strip():
                 continue
             try:
@@ -30,8 +30,10 @@ def _jsonl(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes)
                 continue
             except json.JSONDecodeError as e:
                 truncated = not line.endswith(b"\n")  # only the last line can lack one
-                stats.skip("incomplete last line (file truncated)" if truncated else "malformed JSON line",
-                           f"line {lineno}: {e.msg}")
+                stats.skip(
+                    "incomplete last line (file truncated)" if truncated else "malformed JSON line",
+                    f"line {lineno}: {e.msg}",
+                )
                 continue
             except RecursionError:
                 stats.skip("JSON line nested too deeply", f"line {lineno}")

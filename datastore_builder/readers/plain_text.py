@@ -18,7 +18,7 @@ def _text(f: BinaryIO, path: str, fields: Fields, stats: SourceStats, on_bytes) 
         if data is None:
             return Record([], problem=_too_large(limit), where=where)
         if data.startswith(_UTF8_BOM):  # files concatenated with their byte-order marks
-            data = data[len(_UTF8_BOM):]
+            data = data[len(_UTF8_BOM) :]
         try:
             return Record([Turn(None, data.decode("utf-8"))])
         except UnicodeDecodeError as e:

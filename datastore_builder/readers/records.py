@@ -85,8 +85,14 @@ class SourceStats:
         return sum(self.skipped.values())
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "path": self.path, "records": self.records, "documents": self.documents,
-               "skipped": self.num_skipped, "skipped_reasons": dict(self.skipped)}
+        out = {
+            "kind": self.kind,
+            "path": self.path,
+            "records": self.records,
+            "documents": self.documents,
+            "skipped": self.num_skipped,
+            "skipped_reasons": dict(self.skipped),
+        }
         for key in ("heldout", "empty", "duplicates"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
@@ -121,7 +127,11 @@ class Fields:
             raise ValueError("give either text fields or a messages field, not both")
         if self.text_split not in TEXT_SPLITS:
             raise ValueError(f"text split must be one of {TEXT_SPLITS}, got {self.text_split!r}")
-        if isinstance(self.max_record_bytes, bool) or not isinstance(self.max_record_bytes, int) or self.max_record_bytes < 1:
+        if (
+            isinstance(self.max_record_bytes, bool)
+            or not isinstance(self.max_record_bytes, int)
+            or self.max_record_bytes < 1
+        ):
             raise ValueError(f"max_record_bytes must be a positive integer, got {self.max_record_bytes!r}")
 
 

@@ -30,6 +30,7 @@ from sssd.files import describe_mode, open_regular
 
 # -- inputs -----------------------------------------------------------------------
 
+
 def resolve_inputs(inputs: list[str], fmt: str = "auto") -> list[Source]:
     """Expands inputs (files, directories, glob patterns, "-") into sources, in order.
 
@@ -48,15 +49,22 @@ def resolve_inputs(inputs: list[str], fmt: str = "auto") -> list[Source]:
             continue
         path = Path(spec).expanduser()
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and _visible(p.relative_to(path))
-                           and (fmt != "auto" or p.suffix.lower() in EXTENSIONS))
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and _visible(p.relative_to(path)) and (fmt != "auto" or p.suffix.lower() in EXTENSIONS)
+            )
             if not files:
-                raise FileNotFoundError(f"no input files in directory {path} (known extensions: {', '.join(sorted(EXTENSIONS))})")
+                raise FileNotFoundError(
+                    f"no input files in directory {path} (known extensions: {', '.join(sorted(EXTENSIONS))})"
+                )
         elif path.exists():
             mode = path.stat().st_mode
             if not stat.S_ISREG(mode):  # reading a FIFO blocks until a writer comes; a device never ends
-                raise CorpusError(f"input {spec} is {describe_mode(mode)}, not a regular file; to read from a "
-                                  "pipe, give - and send it to stdin (... | sssd build - ...)")
+                raise CorpusError(
+                    f"input {spec} is {describe_mode(mode)}, not a regular file; to read from a "
+                    "pipe, give - and send it to stdin (... | sssd build - ...)"
+                )
             files = [path]
         elif any(c in spec for c in "*?["):
             files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
@@ -107,8 +115,14 @@ def _sniff(head: bytes) -> str:
 
 # -- reading ----------------------------------------------------------------------
 
-def read_source(src: Source, fields: Fields, stats: SourceStats, on_bytes: Callable[[int], None] = lambda n: None,
-                stdin: BinaryIO | None = None) -> Iterator[Record]:
+
+def read_source(
+    src: Source,
+    fields: Fields,
+    stats: SourceStats,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    stdin: BinaryIO | None = None,
+) -> Iterator[Record]:
     """Streams the records of one source; counts problems in ``stats``.
 
     Raises:

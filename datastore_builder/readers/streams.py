@@ -15,8 +15,12 @@ from sssd.datastore_builder.readers.records import CorpusError
 _UTF8_BOM = codecs.BOM_UTF8
 
 #: Byte-order marks of the encodings decoded to UTF-8 while read (UTF-32 before UTF-16: FF FE 00 00 starts with FF FE).
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 
 
 def _bom_encoding(head: bytes) -> str | None:
@@ -54,8 +58,10 @@ class _Recoded(io.RawIOBase):
             try:
                 text = self._decoder.decode(data, final=not data)
             except UnicodeDecodeError as e:
-                raise CorpusError(f"{self._path}: not valid {self._encoding.upper()} text (it starts with a "
-                                  f"{self._encoding.upper()} byte-order mark) near byte {self._offset + e.start:,}") from None
+                raise CorpusError(
+                    f"{self._path}: not valid {self._encoding.upper()} text (it starts with a "
+                    f"{self._encoding.upper()} byte-order mark) near byte {self._offset + e.start:,}"
+                ) from None
             self._offset += len(data)
             self._eof = not data
             self._pending = text.encode("utf-8")

@@ -83,12 +83,14 @@ def fold_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tens
     padded = -(-S // 16) * 16
     out = torch.empty((B, 1, groups * T, padded), dtype=dtype, device=mask.device)[..., :S]
     out.view(B, 1, groups, T, S).copy_(
-        torch.where(mask, 0.0, float("-inf")).to(dtype)[:, :, None].expand(B, 1, groups, T, S))
+        torch.where(mask, 0.0, float("-inf")).to(dtype)[:, :, None].expand(B, 1, groups, T, S)
+    )
     return out
 
 
-def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
+def folded_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
     """Grouped-query attention with each K/V head's G query heads folded into one head of G x T
     queries: query [B, H, T, D], key/value [B, H_kv, S, D], bias from fold_mask; returns
     [B, H, T, D]. The same numbers as attending per query head (each query row is computed alone)."""
@@ -99,14 +101,24 @@ def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.reshape(B, H, T, D)  # the kernel may lay its output out by its own strides
 
 
-def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                   softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def pool_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, H, T, D], this step's key/value
     [B, H_kv, T, D], a boolean mask [B, 1, T, S] (True = visible); returns [B, T, H, D]."""
     step: PoolStep | None = kwargs.get(STEP_KWARG)
     if step is None:
-        raise RuntimeError(f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)")
+        raise RuntimeError(
+            f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)"
+        )
     k, v = step.update(key, value, module.layer_idx)
     groups = query.shape[1] // k.shape[1]
     if softcap:  # logit soft-capping (Gemma 2) has no fused kernel: the plain computation
@@ -123,8 +135,9 @@ def pool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     else:
         # grouped-query heads read their shared K/V in place: copying them out per head (the expand above)
         # cost 5-16x the attention itself at long contexts on this CPU, with bit-identical results
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
-                                                               enable_gqa=groups > 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=groups > 1
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

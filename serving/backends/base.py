@@ -67,8 +67,8 @@ class VerifierBackend(abc.ABC):
     """A target model that verifies packed draft trees over its own KV slots."""
 
     info: ModelInfo
-    slots: int        # KV slots (requests that can run at once)
-    capacity: int     # tokens per slot
+    slots: int  # KV slots (requests that can run at once)
+    capacity: int  # tokens per slot
 
     @abc.abstractmethod
     def prefill(self, rows: slice, batch: TreeBatch) -> None:

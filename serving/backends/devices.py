@@ -39,17 +39,23 @@ def resolve(requested: str | torch.device | None = None) -> torch.device:
         raise DeviceError(f"device {requested!r}: sssd runs on {', '.join(KNOWN)}, not {dev.type}")
     if dev.type == "cuda":
         if torch.version.cuda is None:
-            raise DeviceError(f"device {requested!r}: this torch ({torch.__version__}) is a build without CUDA; "
-                              f"install a CUDA build of torch, or use --device cpu")
+            raise DeviceError(
+                f"device {requested!r}: this torch ({torch.__version__}) is a build without CUDA; "
+                f"install a CUDA build of torch, or use --device cpu"
+            )
         n = torch.cuda.device_count()
         if n == 0:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-            raise DeviceError(f"device {requested!r}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
-                              f"CUDA GPU{why}; use --device cpu")
+            raise DeviceError(
+                f"device {requested!r}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
+                f"CUDA GPU{why}; use --device cpu"
+            )
         if dev.index is not None and dev.index >= n:
-            raise DeviceError(f"device {requested!r}: this machine has {n} CUDA GPU{'s' if n > 1 else ''} "
-                              f"(cuda:0{f'..cuda:{n - 1}' if n > 1 else ''})")
+            raise DeviceError(
+                f"device {requested!r}: this machine has {n} CUDA GPU{'s' if n > 1 else ''} "
+                f"(cuda:0{f'..cuda:{n - 1}' if n > 1 else ''})"
+            )
     elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise DeviceError(f"device {requested!r}: no Apple GPU (MPS) is available to this torch ({torch.__version__})")
     elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):

@@ -32,7 +32,9 @@ class PoolShape:
     capacity: int  # tokens per slot
 
     def bytes(self, dtype: torch.dtype) -> int:
-        return 2 * self.layers * self.slots * self.kv_heads * self.capacity * self.head_dim * torch.finfo(dtype).bits // 8
+        return (
+            2 * self.layers * self.slots * self.kv_heads * self.capacity * self.head_dim * torch.finfo(dtype).bits // 8
+        )
 
 
 class KVPool:
@@ -40,8 +42,9 @@ class KVPool:
 
     def __init__(self, shape: PoolShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.shape = shape
-        self.kv = torch.zeros((shape.layers, 2, shape.slots, shape.kv_heads, shape.capacity, shape.head_dim),
-                              dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            (shape.layers, 2, shape.slots, shape.kv_heads, shape.capacity, shape.head_dim), dtype=dtype, device=device
+        )
         # every layer's K and V as rows of one matrix: [layers * 2, slots * heads * capacity, head_dim]
         self._rows = self.kv.view(shape.layers * 2, -1, shape.head_dim)
 

@@ -103,9 +103,13 @@ class LinearPlan:
         return sum(sum(self.wins(s)) for s in self.ratios)
 
     def to_dict(self) -> dict:
-        return {"version": PLAN_VERSION, "grid": list(self.grid),
-                "ratios": [[list(s), [round(r, 4) for r in rs]] for s, rs in sorted(self.ratios.items())],
-                "modes": {str(m): mode for m, mode in sorted(self.modes.items())}, "meta": self.meta}
+        return {
+            "version": PLAN_VERSION,
+            "grid": list(self.grid),
+            "ratios": [[list(s), [round(r, 4) for r in rs]] for s, rs in sorted(self.ratios.items())],
+            "modes": {str(m): mode for m, mode in sorted(self.modes.items())},
+            "meta": self.meta,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> LinearPlan:
@@ -204,8 +208,10 @@ def measure(model: torch.nn.Module, rounds: int = 3, log=None) -> LinearPlan:
             row.append(a / b)
         ratios[shape] = row
         if log:
-            log(f"linear plan {shape[0]}x{shape[1]} ({len(ws)} layers): transposed at rows "
-                f"{[m for m, r in zip(ROW_GRID, row) if r >= WIN] or 'none'}")
+            log(
+                f"linear plan {shape[0]}x{shape[1]} ({len(ws)} layers): transposed at rows "
+                f"{[m for m, r in zip(ROW_GRID, row) if r >= WIN] or 'none'}"
+            )
     return LinearPlan(ratios)
 
 
@@ -242,8 +248,11 @@ def refine(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: int = 5,
         if best != "shape":
             plan.modes[m] = best
         if log and len(times) > 1:
-            log(f"linear plan at {m} rows, whole forward (ms): " +
-                ", ".join(f"{mode} {1e3 * float(np.median(ts)):.1f}" for mode, ts in times.items()) + f" -> {best}")
+            log(
+                f"linear plan at {m} rows, whole forward (ms): "
+                + ", ".join(f"{mode} {1e3 * float(np.median(ts)):.1f}" for mode, ts in times.items())
+                + f" -> {best}"
+            )
     install(model, plan)
     return plan
 
@@ -253,8 +262,9 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: bool = False,
-                    time_rows=None, busy_ok: bool = False) -> LinearPlan:
+def load_or_measure(
+    model: torch.nn.Module, identity: dict, log=None, force: bool = False, time_rows=None, busy_ok: bool = False
+) -> LinearPlan:
     """The cached plan for this model and machine (`identity`: what its timings depend on), measured
     on first use and again when the cached one is unreadable or was measured beside a busy process
     (unless `busy_ok`: pipeline stages measure side by side, each beside the others). With
@@ -271,7 +281,9 @@ def load_or_measure(model: torch.nn.Module, identity: dict, log=None, force: boo
             other = plan.meta.get("conditions", {}).get("other_processes_cpu_share")
             if set(plan.ratios) == set(shapes) and (busy_ok or other is None or other <= _noisy_share()):
                 return plan
-            problem = "it was measured beside a busy process" if set(plan.ratios) == set(shapes) else "its shapes differ"
+            problem = (
+                "it was measured beside a busy process" if set(plan.ratios) == set(shapes) else "its shapes differ"
+            )
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             problem = f"it cannot be read ({e})"
         if log:

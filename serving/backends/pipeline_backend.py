@@ -64,8 +64,7 @@ class PipelineError(RuntimeError):
 def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
     """[a, b) layer ranges of `stages` stages as even as can be (earlier stages take the extra)."""
     if not 1 <= stages <= layers:
-        raise ValueError(f"cannot split {layers} decoder layers into {stages} pipeline stages "
-                         f"(1 to {layers} stages)")
+        raise ValueError(f"cannot split {layers} decoder layers into {stages} pipeline stages (1 to {layers} stages)")
     base, extra = divmod(layers, stages)
     out, a = [], 0
     for k in range(stages):
@@ -122,16 +121,24 @@ def work_from_batch(rows: slice, batch: TreeBatch, stage: int, stages: int, resu
     if stage > 0:
         take = np.full((B, T), -1, dtype=np.int64)
         take[batch.valid] = np.arange(n)
-    return Work(slots=np.arange(rows.start, rows.stop, dtype=np.int64),
-                tokens=batch.tokens if stage == 0 else None, take=take,
-                positions=batch.positions, writes=batch.writes,
-                gather=np.broadcast_to(np.arange(S, dtype=np.int64), (B, S)).copy(),
-                mask=batch.visible(), valid=batch.valid.copy(),
-                recv_before=n if stage > 0 else 0, send=stage < stages - 1,
-                result=result if stage == stages - 1 else None, ack=stage == stages - 1)
+    return Work(
+        slots=np.arange(rows.start, rows.stop, dtype=np.int64),
+        tokens=batch.tokens if stage == 0 else None,
+        take=take,
+        positions=batch.positions,
+        writes=batch.writes,
+        gather=np.broadcast_to(np.arange(S, dtype=np.int64), (B, S)).copy(),
+        mask=batch.visible(),
+        valid=batch.valid.copy(),
+        recv_before=n if stage > 0 else 0,
+        send=stage < stages - 1,
+        result=result if stage == stages - 1 else None,
+        ack=stage == stages - 1,
+    )
 
 
 # -- the stage process ---------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -140,6 +147,7 @@ def _free_port() -> int:
 
 
 # -- the driver ---------------------------------------------------------------------------------
+
 
 class PipelineBackend(VerifierBackend):
     """A causal LM split into `stages` processes (pipeline parallelism), verifying draft trees.
@@ -159,8 +167,18 @@ class PipelineBackend(VerifierBackend):
         PipelineError: a stage failed to start or load.
     """
 
-    def __init__(self, model: str | Path, stages: int, slots: int, capacity: int, dtype: str = "float32",
-                 threads: int = 1, arena: int = 64, timeout: float = DEFAULT_TIMEOUT, device: str | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        stages: int,
+        slots: int,
+        capacity: int,
+        dtype: str = "float32",
+        threads: int = 1,
+        arena: int = 64,
+        timeout: float = DEFAULT_TIMEOUT,
+        device: str | None = None,
+    ):
         from transformers import AutoConfig
 
         if device not in (None, "cpu"):
@@ -196,14 +214,24 @@ class PipelineBackend(VerifierBackend):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
         self.info = ModelInfo(
-            path=str(path), model_type=text.model_type, vocab_size=text.vocab_size,
+            path=str(path),
+            model_type=text.model_type,
+            vocab_size=text.vocab_size,
             max_positions=int(getattr(text, "max_position_embeddings", 2048)),
             eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
             layer_types=tuple(layer_types) if layer_types else None,
-            shape={"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": text.num_attention_heads,
-                   "kv_heads": kv_heads, "head_dim": head_dim, "vocab": text.vocab_size,
-                   "intermediate": getattr(text, "intermediate_size", 4 * text.hidden_size),
-                   "dtype_bytes": torch.finfo(self.dtype).bits // 8, "stages": stages})
+            shape={
+                "layers": text.num_hidden_layers,
+                "hidden": text.hidden_size,
+                "heads": text.num_attention_heads,
+                "kv_heads": kv_heads,
+                "head_dim": head_dim,
+                "vocab": text.vocab_size,
+                "intermediate": getattr(text, "intermediate_size", 4 * text.hidden_size),
+                "dtype_bytes": torch.finfo(self.dtype).bits // 8,
+                "stages": stages,
+            },
+        )
         self._start(path, dtype)
 
     # -- processes ---------------------------------------------------------------------------
@@ -224,9 +252,24 @@ class PipelineBackend(VerifierBackend):
             env = dict(os.environ, SSSD_STAGE_KEY=key.hex(), OMP_NUM_THREADS=str(max(1, self.threads)))
             for k in range(self.stages):
                 a, b = self.ranges[k]
-                cmd = [sys.executable, "-m", "sssd.serving.backends.pipeline_stage", str(k), str(self.stages), str(port),
-                       str(path), str(a), str(b), str(self.slots), str(self.positions), dtype, str(self.threads),
-                       str(self.timeout), f"{listener.address[0]}:{listener.address[1]}", str(os.getpid())]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "sssd.serving.backends.pipeline_stage",
+                    str(k),
+                    str(self.stages),
+                    str(port),
+                    str(path),
+                    str(a),
+                    str(b),
+                    str(self.slots),
+                    str(self.positions),
+                    dtype,
+                    str(self.threads),
+                    str(self.timeout),
+                    f"{listener.address[0]}:{listener.address[1]}",
+                    str(os.getpid()),
+                ]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
             self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
             try:
@@ -275,8 +318,10 @@ class PipelineBackend(VerifierBackend):
         p = self.procs[k]
         if p.poll() is None:
             return None
-        return f"pipeline stage {k} (pid {p.pid}, layers {self.ranges[k][0]}-{self.ranges[k][1] - 1}) died " \
-               f"(exit code {p.returncode})"
+        return (
+            f"pipeline stage {k} (pid {p.pid}, layers {self.ranges[k][0]}-{self.ranges[k][1] - 1}) died "
+            f"(exit code {p.returncode})"
+        )
 
     def _wait(self, k: int, what: str):
         """The next message from stage k; fails the pipeline if any stage reports an error, dies, or
@@ -298,8 +343,11 @@ class PipelineBackend(VerifierBackend):
                 if msg[0] == "error":
                     log.error("pipeline stage %d failed:\n%s", j, msg[2])
                     cause = self._dead_peer(j)  # a stage that lost its neighbour: name the one that died
-                    self._fail(f"{cause} (stage {j} then failed: {msg[1].splitlines()[0][:160]})" if cause
-                               else f"pipeline stage {j} failed: {msg[1]}")
+                    self._fail(
+                        f"{cause} (stage {j} then failed: {msg[1].splitlines()[0][:160]})"
+                        if cause
+                        else f"pipeline stage {j} failed: {msg[1]}"
+                    )
                 if j == k:
                     return msg
                 self._fail(f"pipeline stage {j} sent {msg[0]!r} unasked")
@@ -388,9 +436,17 @@ class PipelineBackend(VerifierBackend):
     # -- cost ----------------------------------------------------------------------------------
     def identity(self) -> dict:
         path = Path(self.info.path)
-        return {"backend": "pipeline", "stages": self.stages, "model": str(path),
-                "mtime": (path / "config.json").stat().st_mtime, "dtype": str(self.dtype), "device": "cpu",
-                "threads": self.threads, "slots": self.slots, "torch": torch.__version__}
+        return {
+            "backend": "pipeline",
+            "stages": self.stages,
+            "model": str(path),
+            "mtime": (path / "config.json").stat().st_mtime,
+            "dtype": str(self.dtype),
+            "device": "cpu",
+            "threads": self.threads,
+            "slots": self.slots,
+            "torch": torch.__version__,
+        }
 
     def profile(self, log=None, force: bool = False):
         from sssd.serving.planning.profile import load_or_measure
@@ -398,9 +454,16 @@ class PipelineBackend(VerifierBackend):
         return load_or_measure(self, log=log, force=force)
 
     def describe(self) -> dict:
-        return {"backend": "pipeline", "path": self.info.path, "model_type": self.info.model_type,
-                "stages": self.stages, "layers": [list(r) for r in self.ranges], "threads_per_stage": self.threads,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": "cpu"}
+        return {
+            "backend": "pipeline",
+            "path": self.info.path,
+            "model_type": self.info.model_type,
+            "stages": self.stages,
+            "layers": [list(r) for r in self.ranges],
+            "threads_per_stage": self.threads,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": "cpu",
+        }
 
 
 def _shutdown(procs, conns) -> None:

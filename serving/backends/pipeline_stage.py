@@ -41,15 +41,18 @@ class _GatherStep:
         i = layer - self.first
         self.pool.write(i, self.windex, key, value)
         rows = self.pool._rows
-        return (rows[2 * i].index_select(0, self.gindex).view(self.shape),
-                rows[2 * i + 1].index_select(0, self.gindex).view(self.shape))
+        return (
+            rows[2 * i].index_select(0, self.gindex).view(self.shape),
+            rows[2 * i + 1].index_select(0, self.gindex).view(self.shape),
+        )
 
 
 class _Stage:
     """The model slice one stage process runs."""
 
-    def __init__(self, rank: int, stages: int, path: str, layers: tuple[int, int], slots: int, positions: int,
-                 dtype: str):
+    def __init__(
+        self, rank: int, stages: int, path: str, layers: tuple[int, int], slots: int, positions: int, dtype: str
+    ):
         from transformers import AutoModelForCausalLM
 
         from sssd.serving.backends import attention
@@ -58,11 +61,12 @@ class _Stage:
         self.rank, self.stages = rank, stages
         self.first, self.last_layer = layers
         self.dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attention.register(),
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation=attention.register(), local_files_only=True
+        )
         model.eval()
         inner = model.model
-        self.layers = torch.nn.ModuleList(list(inner.layers[self.first:self.last_layer]))
+        self.layers = torch.nn.ModuleList(list(inner.layers[self.first : self.last_layer]))
         self.embed = inner.embed_tokens if rank == 0 else None
         self.rotary = inner.rotary_emb
         last = rank == stages - 1
@@ -71,14 +75,23 @@ class _Stage:
         text = getattr(model.config, "text_config", None) or model.config
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.hidden = text.hidden_size
-        kept = list(self.layers.parameters()) + [p for m in (self.embed, self.norm, self.head) if m is not None
-                                                 for p in m.parameters()]
+        kept = list(self.layers.parameters()) + [
+            p for m in (self.embed, self.norm, self.head) if m is not None for p in m.parameters()
+        ]
         self.params = sum(p.numel() for p in {id(p): p for p in kept}.values())
         del model, inner  # the other stages' layers go with it
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
-        self.pool = KVPool(PoolShape(layers=self.last_layer - self.first, kv_heads=kv_heads, head_dim=head_dim,
-                                     slots=slots, capacity=positions), self.dtype)
+        self.pool = KVPool(
+            PoolShape(
+                layers=self.last_layer - self.first,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                slots=slots,
+                capacity=positions,
+            ),
+            self.dtype,
+        )
         self.inbox: torch.Tensor | None = None  # the previous stage's output of the last pipelined step
         self._sending: tuple[Any, torch.Tensor] | None = None
         self._step_kwarg = attention.STEP_KWARG
@@ -100,11 +113,18 @@ class _Stage:
             return None
         pos = np.arange(context, context + rows, dtype=np.int64)[None]
         length = context + rows
-        mask = (np.arange(length)[None, None, :] <= pos[:, :, None])
-        w = Work(slots=np.zeros(1, dtype=np.int64), tokens=np.zeros((1, rows), dtype=np.int64) if self.rank == 0 else None,
-                 take=np.arange(rows, dtype=np.int64)[None] if self.rank > 0 else None, positions=pos, writes=pos,
-                 gather=np.arange(length, dtype=np.int64)[None], mask=mask, valid=np.ones((1, rows), dtype=bool),
-                 result=(np.ones(1, dtype=bool), 0) if self.rank == self.stages - 1 else None)
+        mask = np.arange(length)[None, None, :] <= pos[:, :, None]
+        w = Work(
+            slots=np.zeros(1, dtype=np.int64),
+            tokens=np.zeros((1, rows), dtype=np.int64) if self.rank == 0 else None,
+            take=np.arange(rows, dtype=np.int64)[None] if self.rank > 0 else None,
+            positions=pos,
+            writes=pos,
+            gather=np.arange(length, dtype=np.int64)[None],
+            mask=mask,
+            valid=np.ones((1, rows), dtype=bool),
+            result=(np.ones(1, dtype=bool), 0) if self.rank == self.stages - 1 else None,
+        )
         saved, self.inbox = self.inbox, torch.zeros((rows, self.hidden), dtype=self.dtype)
         try:
             t0 = time.perf_counter()
@@ -138,12 +158,12 @@ class _Stage:
                 h = given.index_select(0, take).view(R, T, self.hidden)
             pos = torch.from_numpy(w.positions)
             mask = torch.from_numpy(w.mask)[:, None]
-            step = _GatherStep(self.pool, self.first, torch.from_numpy(w.slots), torch.from_numpy(w.writes),
-                               torch.from_numpy(w.gather))
+            step = _GatherStep(
+                self.pool, self.first, torch.from_numpy(w.slots), torch.from_numpy(w.writes), torch.from_numpy(w.gather)
+            )
             pe = self.rotary(h, position_ids=pos)
             for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe,
-                          **{self._step_kwarg: step})
+                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe, **{self._step_kwarg: step})
                 if isinstance(h, tuple):
                     h = h[0]
             outputs = h[torch.from_numpy(w.valid)]  # [N, hidden], row-major over the valid queries
@@ -205,8 +225,20 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
-def _stage_main(rank: int, stages: int, port: int, path: str, layers: tuple[int, int], slots: int, positions: int,
-                dtype: str, threads: int, timeout: float, address: str, parent: int) -> None:
+def _stage_main(
+    rank: int,
+    stages: int,
+    port: int,
+    path: str,
+    layers: tuple[int, int],
+    slots: int,
+    positions: int,
+    dtype: str,
+    threads: int,
+    timeout: float,
+    address: str,
+    parent: int,
+) -> None:
     """A stage process: connects to the driver, joins the gloo group, loads its layers when told,
     then runs commands until told to stop (or the driver is gone)."""
     from multiprocessing.connection import Client
@@ -218,10 +250,16 @@ def _stage_main(rank: int, stages: int, port: int, path: str, layers: tuple[int,
     torch.set_num_threads(max(1, threads))
     try:
         import torch.distributed as dist
+
         importlib.import_module("transformers.models.auto.modeling_auto")  # every stage at once, before the loads
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=stages,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=stages,
+            timeout=timedelta(seconds=timeout),
+        )
         msg = conn.recv()
         if msg[0] != "load":
             return
@@ -257,8 +295,20 @@ def _stage_main(rank: int, stages: int, port: int, path: str, layers: tuple[int,
 def main(argv: list[str]) -> None:
     """Entry point of a stage process (PipelineBackend starts it)."""
     k, stages, port, path, a, b, slots, positions, dtype, threads, timeout, address, parent = argv
-    _stage_main(int(k), int(stages), int(port), path, (int(a), int(b)), int(slots), int(positions), dtype,
-                int(threads), float(timeout), address, int(parent))
+    _stage_main(
+        int(k),
+        int(stages),
+        int(port),
+        path,
+        (int(a), int(b)),
+        int(slots),
+        int(positions),
+        dtype,
+        int(threads),
+        float(timeout),
+        address,
+        int(parent),
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ ARGMAX_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 IN_MEMORY = "<in-memory>"
 
 
-def weights_identity(path: str | Path, dtype: torch.dtype | str, device: torch.device | str,
-                     config: dict | None = None) -> dict:
+def weights_identity(
+    path: str | Path, dtype: torch.dtype | str, device: torch.device | str, config: dict | None = None
+) -> dict:
     """What the speed of one of a model's matrix products depends on (the linear plan's and the
     forward profile's cache key). A model built in memory (`config` given) is known by its config."""
     path = Path(path)
@@ -58,8 +59,15 @@ def weights_identity(path: str | Path, dtype: torch.dtype | str, device: torch.d
         which = {"mtime": (path / "config.json").stat().st_mtime}
     if torch.device(device).type == "cuda":
         which["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return {"model": str(path), **which, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    return {
+        "model": str(path),
+        **which,
+        "dtype": str(dtype),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
 
 
 def tree_mask(cached: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor, length: int) -> torch.Tensor:
@@ -89,8 +97,12 @@ class _Sent:
     @classmethod
     def send(cls, device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
         if device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a)) if device.type == "cpu"
-                    else torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+            return [
+                torch.from_numpy(np.ascontiguousarray(a))
+                if device.type == "cpu"
+                else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                for a in arrays
+            ]
         arrays = [np.ascontiguousarray(a) for a in arrays]
         offsets, total = [], 0
         for a in arrays:
@@ -136,8 +148,17 @@ class TorchBackend(VerifierBackend):
         log: where progress goes (the linear plan's first measurement).
     """
 
-    def __init__(self, model: str | Path | torch.nn.Module, slots: int, capacity: int, dtype: str = "float32",
-                 device: str | None = None, threads: int | None = None, plan_linears: bool = True, log=None):
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        slots: int,
+        capacity: int,
+        dtype: str = "float32",
+        device: str | None = None,
+        threads: int | None = None,
+        plan_linears: bool = True,
+        log=None,
+    ):
         self.device = devices.resolve(device)  # before anything loads: a one-line error naming what is here
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ValueError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)")
@@ -169,35 +190,48 @@ class TorchBackend(VerifierBackend):
             vocab_size=text.vocab_size,
             max_positions=int(getattr(text, "max_position_embeddings", 2048)),
             eos_token_ids=eos_ids,
-            sliding_window=getattr(text, "sliding_window", None) if layer_types and "sliding_attention" in layer_types else None,
+            sliding_window=getattr(text, "sliding_window", None)
+            if layer_types and "sliding_attention" in layer_types
+            else None,
             layer_types=tuple(layer_types) if layer_types else None,
-            shape={"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": text.num_attention_heads,
-                   "kv_heads": kv_heads, "head_dim": head_dim, "vocab": text.vocab_size,
-                   "intermediate": getattr(text, "intermediate_size", 4 * text.hidden_size),
-                   "params": sum(p.numel() for p in self.model.parameters()),
-                   "dtype_bytes": torch.finfo(self.dtype).bits // 8},
+            shape={
+                "layers": text.num_hidden_layers,
+                "hidden": text.hidden_size,
+                "heads": text.num_attention_heads,
+                "kv_heads": kv_heads,
+                "head_dim": head_dim,
+                "vocab": text.vocab_size,
+                "intermediate": getattr(text, "intermediate_size", 4 * text.hidden_size),
+                "params": sum(p.numel() for p in self.model.parameters()),
+                "dtype_bytes": torch.finfo(self.dtype).bits // 8,
+            },
         )
         self._softcap = getattr(text, "final_logit_softcapping", None)
         #: grouped-query heads folded along the queries (attention.folded_attention); None: on CUDA
         self.fold_attention: bool | None = None
         self._head = self.model.get_output_embeddings()
         self.slots, self.capacity = slots, capacity
-        shape = PoolShape(layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, slots=slots,
-                          capacity=capacity)
+        shape = PoolShape(
+            layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, slots=slots, capacity=capacity
+        )
         try:
             self.pool = KVPool(shape, self.dtype, self.device)
         except RuntimeError as e:
             if not devices.is_out_of_memory(e):
                 raise
             raise devices.out_of_memory(
-                "the KV pool", shape.bytes(self.dtype),
+                "the KV pool",
+                shape.bytes(self.dtype),
                 f"{slots} slots x {capacity} tokens x {shape.layers} layers x {kv_heads} KV heads x {head_dim} x "
-                f"K and V x {torch.finfo(self.dtype).bits // 8} bytes", self.device,
-                "Lower --max-running (slots) or --max-model-len (tokens per slot).") from None
+                f"K and V x {torch.finfo(self.dtype).bits // 8} bytes",
+                self.device,
+                "Lower --max-running (slots) or --max-model-len (tokens per slot).",
+            ) from None
         self._threads = threads
         if plan_linears and linear_plan.enabled(self.device):
-            self.linear_plan = linear_plan.load_or_measure(self.model, self._weights_identity(), log=log,
-                                                           time_rows=self._time_rows)
+            self.linear_plan = linear_plan.load_or_measure(
+                self.model, self._weights_identity(), log=log, time_rows=self._time_rows
+            )
             linear_plan.install(self.model, self.linear_plan)
 
     def _load(self, path: Path) -> torch.nn.Module:
@@ -212,13 +246,17 @@ class TorchBackend(VerifierBackend):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
         arch = list(getattr(config, "architectures", None) or [])
-        causal = (any(a in set(CAUSAL.values()) or a.endswith("ForCausalLM") for a in arch) if arch
-                  else config.model_type in CAUSAL)
+        causal = (
+            any(a in set(CAUSAL.values()) or a.endswith("ForCausalLM") for a in arch)
+            if arch
+            else config.model_type in CAUSAL
+        )
         if getattr(config, "is_encoder_decoder", False) or not causal:
             raise ValueError(f"{path} is not a causal language model (architectures: {arch or config.model_type})")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attention.register(),
-                                                         local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation=attention.register(), local_files_only=True
+            )
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{path}: cannot load it as a causal language model ({str(e).splitlines()[0]})") from e
         return self._to_device(model)
@@ -230,9 +268,13 @@ class TorchBackend(VerifierBackend):
             if not devices.is_out_of_memory(e):
                 raise
             n = sum(p.numel() for p in model.parameters())
-            raise devices.out_of_memory("the model's weights", n * torch.finfo(self.dtype).bits // 8,
-                                        f"{n / 1e9:.2f}B parameters in {str(self.dtype).replace('torch.', '')}",
-                                        self.device, "Use a smaller dtype or a larger device.") from None
+            raise devices.out_of_memory(
+                "the model's weights",
+                n * torch.finfo(self.dtype).bits // 8,
+                f"{n / 1e9:.2f}B parameters in {str(self.dtype).replace('torch.', '')}",
+                self.device,
+                "Use a smaller dtype or a larger device.",
+            ) from None
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -245,8 +287,9 @@ class TorchBackend(VerifierBackend):
         dev, S = self.device, batch.kv_length
         sliding = self.info.layer_types is not None and self.info.sliding_window
         if isinstance(batch, TreeBatch):
-            tok, pos, writes, cached, valid, anc = _Sent.send(dev, batch.tokens, batch.positions, batch.writes,
-                                                              batch.cached, batch.valid, batch.ancestors)
+            tok, pos, writes, cached, valid, anc = _Sent.send(
+                dev, batch.tokens, batch.positions, batch.writes, batch.cached, batch.valid, batch.ancestors
+            )
             full = tree_mask(cached, valid, anc, S)[:, None]
             kv_pos = kv_positions(writes, pos, S) if sliding else None
         else:
@@ -260,8 +303,9 @@ class TorchBackend(VerifierBackend):
                 near = pos[:, :, None] - kv_pos[:, None, :] < self.info.sliding_window
                 mask["sliding_attention"] = full & near[:, None]
         step = attention.PoolStep(self.pool, rows, writes, S, fold=self.fold_attention)
-        out = self.model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False,
-                               **{attention.STEP_KWARG: step})
+        out = self.model.model(
+            input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step}
+        )
         return out.last_hidden_state
 
     def hidden_states(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
@@ -388,8 +432,12 @@ class TorchBackend(VerifierBackend):
 
     def identity(self) -> dict:
         """What a forward-time profile depends on."""
-        return dict(self._weights_identity(), backend="torch", slots=self.slots,
-                    linear_plan=linear_plan.plan_key(self.linear_plan))
+        return dict(
+            self._weights_identity(),
+            backend="torch",
+            slots=self.slots,
+            linear_plan=linear_plan.plan_key(self.linear_plan),
+        )
 
     def profile(self, log=None, force: bool = False):
         from sssd.serving.planning.profile import load_or_measure
@@ -397,6 +445,13 @@ class TorchBackend(VerifierBackend):
         return load_or_measure(self, log=log, force=force)
 
     def describe(self) -> dict:
-        return {"backend": "torch", "path": self.info.path, "model_type": self.info.model_type,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
-                "config": json.loads((getattr(self.config, "text_config", None) or self.config).to_json_string())["model_type"]}
+        return {
+            "backend": "torch",
+            "path": self.info.path,
+            "model_type": self.info.model_type,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "config": json.loads((getattr(self.config, "text_config", None) or self.config).to_json_string())[
+                "model_type"
+            ],
+        }

@@ -105,9 +105,14 @@ def _subtree(drafts: DraftBatch, start: int, kept: list[int], index: dict[int, i
     depths = np.zeros(len(kept), dtype=np.int32)
     for j, p in enumerate(parents.tolist()):
         depths[j] = 1 if p < 0 else depths[p] + 1
-    out = {"tokens": drafts.tokens[start + idx], "parents": parents, "depths": depths,
-           "scores": drafts.scores[start + idx], "sources": drafts.sources[start + idx],
-           "draft_probs": drafts.draft_probs[start + idx]}
+    out = {
+        "tokens": drafts.tokens[start + idx],
+        "parents": parents,
+        "depths": depths,
+        "scores": drafts.scores[start + idx],
+        "sources": drafts.sources[start + idx],
+        "draft_probs": drafts.draft_probs[start + idx],
+    }
     for name in ("probs", "match_lens"):
         v = getattr(drafts, name)
         if v is not None:
@@ -119,8 +124,11 @@ def union(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.nd
     """Two trees over one root as one: a token path in both appears once, with the fields of
     the higher-scored of its two nodes; a's nodes first, then b's new ones (parents still
     precede children). Fields that only one tree has are dropped."""
-    keys = [k for k in ("tokens", "parents", "depths", "scores", "sources", "draft_probs", "probs", "match_lens")
-            if k in a and k in b]
+    keys = [
+        k
+        for k in ("tokens", "parents", "depths", "scores", "sources", "draft_probs", "probs", "match_lens")
+        if k in a and k in b
+    ]
     out = {k: a[k].tolist() for k in keys}
     node = {(p, t): i for i, (p, t) in enumerate(zip(out["parents"], out["tokens"]))}
     mine: list[int] = []  # b's node j -> its index in out
@@ -153,8 +161,14 @@ def combine(rows: Sequence[dict[str, np.ndarray] | None], like: DraftBatch | Non
     """One DraftBatch from per-row trees (None: an empty tree), in row order."""
     sizes = np.array([0 if r is None else len(r["tokens"]) for r in rows], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    dtypes = {"tokens": np.int64, "parents": np.int32, "depths": np.int32, "scores": np.float32,
-              "sources": np.uint8, "draft_probs": np.float32}
+    dtypes = {
+        "tokens": np.int64,
+        "parents": np.int32,
+        "depths": np.int32,
+        "scores": np.float32,
+        "sources": np.uint8,
+        "draft_probs": np.float32,
+    }
     out: dict[str, Any] = {"offsets": offsets}
     for name, dt in dtypes.items():
         parts = [r[name] for r in rows if r is not None]
@@ -180,7 +194,7 @@ def row_of(drafts: DraftBatch, b: int) -> dict[str, np.ndarray]:
 class _Job:
     step: int
     requests: list
-    lengths: dict[int, int]          # request id -> its tokens when the job was drafted (the root's)
+    lengths: dict[int, int]  # request id -> its tokens when the job was drafted (the root's)
     submitted: float
     started: float = 0.0
     ended: float = 0.0
@@ -203,20 +217,25 @@ class AsyncDrafter:
     beside a verifier on one torch thread pinned to core 0 gives each its own core.
     """
 
-    def __init__(self, pipeline: Any, threads: int | None = None, cores: set[int] | None = None,
-                 stall_seconds: float = STALL_SECONDS):
+    def __init__(
+        self,
+        pipeline: Any,
+        threads: int | None = None,
+        cores: set[int] | None = None,
+        stall_seconds: float = STALL_SECONDS,
+    ):
         self.pipeline = pipeline
         self.threads, self.cores = threads, cores
         self._placed: tuple = (None, None)
         self.stall_seconds = float(stall_seconds)
         self.prepared: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # request id -> (its length, tree)
-        self.verifying = threading.Event()   # set while the verifier runs: growing sources may keep going
-        self.dead: str | None = None         # why the worker is gone (async drafting then stops)
+        self.verifying = threading.Event()  # set while the verifier runs: growing sources may keep going
+        self.dead: str | None = None  # why the worker is gone (async drafting then stops)
         self.stalls = self.hits = self.misses = 0
-        self._lock = threading.Lock()        # held by whoever touches the pipeline
+        self._lock = threading.Lock()  # held by whoever touches the pipeline
         self._pending: list[tuple[Callable, tuple]] = []
-        self._job: _Job | None = None        # the one job submitted and not yet waited for or abandoned
-        self._busy: _Job | None = None       # the job the worker runs (maybe an abandoned one)
+        self._job: _Job | None = None  # the one job submitted and not yet waited for or abandoned
+        self._busy: _Job | None = None  # the job the worker runs (maybe an abandoned one)
         self._wake = threading.Condition()
         self._queue: list[_Job] = []
         self._closed = False
@@ -278,8 +297,11 @@ class AsyncDrafter:
             alive = self._thread.is_alive()
             if not alive:
                 self.dead = self.dead or "the drafting thread died"
-            log.warning("the drafting worker %s after %.1f s; this step goes on without grown trees",
-                        "died" if not alive else "stalled", self.stall_seconds)
+            log.warning(
+                "the drafting worker %s after %.1f s; this step goes on without grown trees",
+                "died" if not alive else "stalled",
+                self.stall_seconds,
+            )
             return None
         if job.error is not None and self.dead is not None:
             return None  # logged by the dying thread

@@ -25,21 +25,21 @@ RATE_DEPTHS, RATE_RANKS = 16, 8
 class Tree:
     """One request's tree while it grows: node i sits at slot position prefix + i."""
 
-    prefix: int                  # tokens in the slot (the root is the last)
+    prefix: int  # tokens in the slot (the root is the last)
     budget: int
     tokens: list
     parents: list
     depths: list
     probs: list
-    ancestors: list              # per node: its tree ancestors and itself (node indices)
+    ancestors: list  # per node: its tree ancestors and itself (node indices)
     dist_parents: list
     dist_q: list
     dist_draws: list
 
     ranks: list
-    kids: dict                   # parent node (-1: root) -> number of children so far
-    hidden: dict = None          # fed node -> its hidden state (its K/V are in the slot at prefix + node)
-    grown: bool = False          # grown under async drafting: its fed subtree below the next root is carried over
+    kids: dict  # parent node (-1: root) -> number of children so far
+    hidden: dict = None  # fed node -> its hidden state (its K/V are in the slot at prefix + node)
+    grown: bool = False  # grown under async drafting: its fed subtree below the next root is carried over
 
     def __post_init__(self):
         if self.hidden is None:
@@ -72,8 +72,9 @@ class Tree:
             for j, d in enumerate(self.dist_draws):
                 draws[j, : len(d)] = d
             dists = DraftDistributions(np.asarray(self.dist_parents, np.int32), np.stack(self.dist_q), draws)
-        return Candidates(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), q.astype(np.float32),
-                          weights, dists)
+        return Candidates(
+            np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), q.astype(np.float32), weights, dists
+        )
 
     def observe(self, appended: np.ndarray, rates: np.ndarray) -> None:
         """Counts, down the path the target took (the tokens appended after this tree), which
@@ -98,8 +99,7 @@ def carried(tree: Tree, root: int, prefix: int) -> Tree:
     `origin` maps its nodes to the old ones (whose K/V the caller moves to prefix + new index).
     Unfed nodes (the last level: no K/V) are left out; a node whose children were left out
     becomes a leaf again, and its draws go with them (it is expanded afresh)."""
-    keep = [i for i in range(len(tree.tokens)) if i in tree.hidden and i != root
-            and root in tree.ancestors[i]]
+    keep = [i for i in range(len(tree.tokens)) if i in tree.hidden and i != root and root in tree.ancestors[i]]
     new = {root: -1, **{i: j for j, i in enumerate(keep)}}
     out = Tree(prefix, tree.budget, [], [], [], [], [], [], [], [], [], {})
     for i in keep:
@@ -120,11 +120,11 @@ class TreePass:
     its row's prefix and its own ancestors, written at prefix + node index; padding queries
     write just past the tree and see only themselves."""
 
-    tokens: np.ndarray      # [B, T]
-    positions: np.ndarray   # [B, T] model positions: prefix - 1 + depth
-    writes: np.ndarray      # [B, T] slot positions
+    tokens: np.ndarray  # [B, T]
+    positions: np.ndarray  # [B, T] model positions: prefix - 1 + depth
+    writes: np.ndarray  # [B, T] slot positions
     kv_length: int
-    _visible: np.ndarray    # [B, T, S]
+    _visible: np.ndarray  # [B, T, S]
     _kv_positions: np.ndarray  # [B, S]
 
     def visible(self) -> np.ndarray:

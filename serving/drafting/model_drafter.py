@@ -131,7 +131,8 @@ def check_same_tokens(drafter: Path, target: Path, target_tokenizer: Any = None)
             f"the draft model {drafter} does not speak the target {target}'s tokens: the drafter has a "
             f"{len(dvocab):,}-token tokenizer and {dv:,} logits, the target a {len(tvocab):,}-token tokenizer and "
             f"{tv:,} logits" + (f" (e.g. {differ})" if differ else "") + "; draft with a model of the same "
-            "tokenizer (e.g. a smaller one of the target's family)")
+            "tokenizer (e.g. a smaller one of the target's family)"
+        )
 
 
 def _param_estimate(path: Path) -> float:
@@ -172,11 +173,24 @@ class ModelDrafter(DraftSource):
         ValueError: not a causal LM folder or registered name, or another tokenizer.
     """
 
-    def __init__(self, model: str | Path, *, target: str | Path | None = None, target_tokenizer: Any = None,
-                 slots: int = 32, capacity: int = 2048, expansion: Sequence[int] | str = DEFAULT_EXPANSION,
-                 dtype: str = "float32", device: str | None = None, threads: int | None = None, seed: int = 0,
-                 temperature: float | None = None, discount: SourceDiscount | None = None, name: str | None = None,
-                 complement: bool = True):
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        target: str | Path | None = None,
+        target_tokenizer: Any = None,
+        slots: int = 32,
+        capacity: int = 2048,
+        expansion: Sequence[int] | str = DEFAULT_EXPANSION,
+        dtype: str = "float32",
+        device: str | None = None,
+        threads: int | None = None,
+        seed: int = 0,
+        temperature: float | None = None,
+        discount: SourceDiscount | None = None,
+        name: str | None = None,
+        complement: bool = True,
+    ):
         from sssd.models import resolve_model
         from sssd.serving.backends.torch_backend import TorchBackend
 
@@ -198,19 +212,19 @@ class ModelDrafter(DraftSource):
         self.backend = TorchBackend(path, slots=slots, capacity=capacity, dtype=dtype, device=device, threads=threads)
         self.capacity = min(capacity, self.backend.info.max_positions)
         self._slot = SlotTable(slots, "draft-model")
-        self._cached: dict[int, int] = {}                # request id -> tokens in its slot
+        self._cached: dict[int, int] = {}  # request id -> tokens in its slot
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
-        self._last: dict[int, Tree] = {}                # request id -> its last tree (for the rates)
-        self._length: dict[int, int] = {}                # request id -> its tokens so far (prompt + appended)
+        self._last: dict[int, Tree] = {}  # request id -> its last tree (for the rates)
+        self._length: dict[int, int] = {}  # request id -> its tokens so far (prompt + appended)
         #: [seen, hit] per (depth - 1, child rank): children offered at reached nodes, and the target's choices
         self.rates = np.zeros((2, RATE_DEPTHS, RATE_RANKS), np.float64)
-        self.passes = 0                                  # forward passes so far (for benchmarks)
-        self._seconds: dict[int, float] = {}             # batch bucket -> smoothed seconds per propose
+        self.passes = 0  # forward passes so far (for benchmarks)
+        self._seconds: dict[int, float] = {}  # batch bucket -> smoothed seconds per propose
         self._root_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (its length, its root's state)
-        self._carry: dict[int, Tree] = {}              # request id -> the grown subtree its next tree starts from
+        self._carry: dict[int, Tree] = {}  # request id -> the grown subtree its next tree starts from
         #: set by async drafting: while grow() is True, a tree keeps adding chain levels past its expansion
         self.grow = None
-        self.promoted = 0                                # tokens whose K/V moved to the prefix uncomputed
+        self.promoted = 0  # tokens whose K/V moved to the prefix uncomputed
 
     def __repr__(self) -> str:
         return f"ModelDrafter({str(self.path)!r}, expansion={list(self.expansion)})"
@@ -328,6 +342,7 @@ class ModelDrafter(DraftSource):
 
     def _arrange(self, request_ids: list[int]) -> None:
         """Moves the requests to slots 0..n-1 in order (one pass reads its slots as a slice)."""
+
         def swap(a: int, b: int, rid: int, other: int | None) -> None:
             self.backend.swap(a, b, max(self._extent(rid), self._extent(other) if other is not None else 0))
             for moved in (rid, other):  # a swap moves prefixes only: trees past them are left behind
@@ -350,8 +365,11 @@ class ModelDrafter(DraftSource):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Candidates | None]:
         out: list[Candidates | None] = [None] * len(requests)
         # a tree (and the padding of a pass) needs room past the prefix
-        todo = [k for k, r in enumerate(requests) if r.request_id in self._slot and r.budget > 0
-                and len(r.tokens) + 2 * r.budget + 1 <= self.capacity]
+        todo = [
+            k
+            for k, r in enumerate(requests)
+            if r.request_id in self._slot and r.budget > 0 and len(r.tokens) + 2 * r.budget + 1 <= self.capacity
+        ]
         if not todo:
             return out
         reqs = [requests[k] for k in todo]
@@ -360,8 +378,10 @@ class ModelDrafter(DraftSource):
         carried = [self._carry.pop(r.request_id, None) for r in reqs]
         hidden, fed = self._catch_up(reqs)
         grow, levels = self.grow, len(self.expansion)
-        trees = [Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], [], [], {}, grown=grow is not None)
-                 for r in reqs]
+        trees = [
+            Tree(len(r.tokens), int(r.budget), [], [], [], [], [], [], [], [], [], {}, grown=grow is not None)
+            for r in reqs
+        ]
         frontier: list[list[int]] = [[-1] for _ in reqs]  # nodes whose q `hidden` gives, per row (-1: the root)
         if not fed and any(c is not None and c.prefix == len(r.tokens) for c, r in zip(carried, reqs)):
             # carried subtrees (no catch-up pass wrote over them) grow from their leaves
@@ -434,15 +454,22 @@ class ModelDrafter(DraftSource):
                 idx = torch.from_numpy(np.array([len(c) - 1 for c in chunks], dtype=np.int64))
                 return h[torch.arange(B), idx], True
 
-    def _expand(self, reqs: list[DraftRequest], trees: list[Tree], frontier: list[list[int]],
-                hidden: torch.Tensor, ks: list[list[int]], sampled: list[bool]) -> list[list[int]]:
+    def _expand(
+        self,
+        reqs: list[DraftRequest],
+        trees: list[Tree],
+        frontier: list[list[int]],
+        hidden: torch.Tensor,
+        ks: list[list[int]],
+        sampled: list[bool],
+    ) -> list[list[int]]:
         """Gives every frontier node up to its k children (ks, per frontier node; within each tree's
         budget); the new nodes."""
         flat_k = [k for row in ks for k in row]
         if not flat_k:
             return [[] for _ in reqs]
         k = max(flat_k)
-        logits = self.backend.logits(hidden).cpu()                  # [F, V]: drawn on the CPU, like the target's tokens
+        logits = self.backend.logits(hidden).cpu()  # [F, V]: drawn on the CPU, like the target's tokens
         owner = np.repeat(np.arange(len(reqs)), [len(f) for f in frontier])
         q = torch.softmax(logits, dim=-1)
         top = torch.topk(q, min(k, q.shape[-1]), dim=-1)
@@ -456,7 +483,8 @@ class ModelDrafter(DraftSource):
                 logits[torch.from_numpy(srows)],
                 torch.tensor([self.temperature or r.temperature for r in rs], dtype=torch.float32),
                 torch.tensor([r.top_k for r in rs], dtype=torch.int64),
-                torch.tensor([r.top_p for r in rs], dtype=torch.float32))
+                torch.tensor([r.top_p for r in rs], dtype=torch.float32),
+            )
             drawn = torch.multinomial(processed, k, replacement=True, generator=self._gen).numpy()
             for m, j in enumerate(srows.tolist()):
                 qs[j], draws[j] = processed[m], drawn[m]

@@ -119,8 +119,9 @@ def parse_self_spec(arg: str) -> tuple[str, int | None]:
     """
     method, _, budget = str(arg).partition(":")
     if method not in METHODS:
-        raise ValueError(f"self-speculation is self:streamingllm or self:snapkv (optionally :<kv budget>), "
-                         f"got self:{arg}")
+        raise ValueError(
+            f"self-speculation is self:streamingllm or self:snapkv (optionally :<kv budget>), got self:{arg}"
+        )
     if not budget:
         return method, None
     if not budget.isdigit() or int(budget) < 1:
@@ -132,13 +133,13 @@ def parse_self_spec(arg: str) -> tuple[str, int | None]:
 class _View:
     """One request's sparse view of its context, in its draft slot."""
 
-    fixed: int                   # entries [0, fixed) hold the kept positions
-    horizon: int                 # positions >= horizon go through the ring
-    ring: int                    # ring entries: [fixed, fixed + ring)
-    filled: int = 0              # positions < filled are synced from the verifier
-    valid: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))    # [kv_budget] entry holds a position
+    fixed: int  # entries [0, fixed) hold the kept positions
+    horizon: int  # positions >= horizon go through the ring
+    ring: int  # ring entries: [fixed, fixed + ring)
+    filled: int = 0  # positions < filled are synced from the verifier
+    valid: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # [kv_budget] entry holds a position
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [kv_budget] its position (head 0)
-    picked: Any = None           # SnapKV: [layers, kv heads, fixed] the kept positions per layer and head
+    picked: Any = None  # SnapKV: [layers, kv heads, fixed] the kept positions per layer and head
 
 
 class _ReadStep:
@@ -175,10 +176,23 @@ class SelfDrafter(DraftSource):
         ValueError: an unknown method, a budget or gamma out of range.
     """
 
-    def __init__(self, backend: Any, locate: Callable[[int], tuple[int, int]], method: str = "snapkv", *,
-                 kv_budget: int | None = None, slots: int = 32, gamma: int | None = None,
-                 sinks: int = DEFAULT_SINKS, obs_window: int = DEFAULT_OBS_WINDOW, window: int | None = None,
-                 cost: Any = None, seed: int = 0, temperature: float | None = None, name: str | None = None):
+    def __init__(
+        self,
+        backend: Any,
+        locate: Callable[[int], tuple[int, int]],
+        method: str = "snapkv",
+        *,
+        kv_budget: int | None = None,
+        slots: int = 32,
+        gamma: int | None = None,
+        sinks: int = DEFAULT_SINKS,
+        obs_window: int = DEFAULT_OBS_WINDOW,
+        window: int | None = None,
+        cost: Any = None,
+        seed: int = 0,
+        temperature: float | None = None,
+        name: str | None = None,
+    ):
         from sssd.serving.planning.planner import SelfSpecCostModel
 
         if method not in METHODS:
@@ -199,8 +213,17 @@ class SelfDrafter(DraftSource):
         self.temperature = temperature
         self.name = name or f"self:{method}"
         sh = backend.pool.shape
-        self.pool = KVPool(PoolShape(layers=sh.layers, kv_heads=sh.kv_heads, head_dim=sh.head_dim, slots=slots,
-                                     capacity=self.kv_budget + MAX_GAMMA + 1), backend.dtype, backend.device)
+        self.pool = KVPool(
+            PoolShape(
+                layers=sh.layers,
+                kv_heads=sh.kv_heads,
+                head_dim=sh.head_dim,
+                slots=slots,
+                capacity=self.kv_budget + MAX_GAMMA + 1,
+            ),
+            backend.dtype,
+            backend.device,
+        )
         self.cost = cost or SelfSpecCostModel.prior(backend.info.shape, self.kv_budget)
         self._slot = SlotTable(slots, "self-draft")
         self._view: dict[int, _View] = {}
@@ -210,7 +233,7 @@ class SelfDrafter(DraftSource):
         #: [seen, hit] per (depth - 1, rank 0): chain nodes reached, and the target's agreement
         self.rates = np.zeros((2, RATE_DEPTHS, RATE_RANKS), np.float64)
         self.passes = 0
-        self._batch, self._context = 1, 0   # the last step's, for relative_cost
+        self._batch, self._context = 1, 0  # the last step's, for relative_cost
 
     def __repr__(self) -> str:
         return f"SelfDrafter({self.method!r}, kv_budget={self.kv_budget}, gamma={self.gamma})"
@@ -220,8 +243,10 @@ class SelfDrafter(DraftSource):
         """The source for an engine's `self:<method>[:<kv budget>]` spec, reading its backend's cache."""
         method, budget = parse_self_spec(arg)
         if not hasattr(engine.backend, "pool") or not hasattr(engine.backend, "model"):
-            raise ValueError(f"self:{arg} drafts with the target's own weights and KV cache: it needs the "
-                             f"torch backend, not {type(engine.backend).__name__}")
+            raise ValueError(
+                f"self:{arg} drafts with the target's own weights and KV cache: it needs the "
+                f"torch backend, not {type(engine.backend).__name__}"
+            )
 
         def locate(rid: int) -> tuple[int, int]:
             req = engine.requests[rid]
@@ -230,8 +255,9 @@ class SelfDrafter(DraftSource):
         measured = load_cost(engine.backend, budget or DEFAULT_KV_BUDGET)
         if budget is None and measured is not None and measured.acceptance.get(method):
             # no budget given: the measured one that pays best at full batch and context
-            planned, _, _ = measured.best_plan(engine.config.max_running, engine.max_model_len,
-                                               measured.acceptance[method])
+            planned, _, _ = measured.best_plan(
+                engine.config.max_running, engine.max_model_len, measured.acceptance[method]
+            )
             if planned:
                 budget = planned
                 measured.kv_budget = planned
@@ -319,7 +345,7 @@ class SelfDrafter(DraftSource):
             ring = max(1, min(B - 1, max(self.obs_window, self.window or B // 4)))
             keep = B - ring
             horizon = cached - ring
-            idx = self._snap_select(tokens, vslot, cached, horizon, keep)      # [layers, heads, keep]
+            idx = self._snap_select(tokens, vslot, cached, horizon, keep)  # [layers, heads, keep]
             self._gather(mine, vslot, idx)
             view = _View(fixed=keep, horizon=horizon, ring=ring)
             view.positions = np.zeros(B, np.int64)
@@ -355,7 +381,7 @@ class SelfDrafter(DraftSource):
 
     def _gather(self, mine: int, vslot: int, idx: torch.Tensor) -> None:
         """Per layer and KV head positions idx [layers, heads, n] -> draft entries [0, n)."""
-        src = self.backend.pool.kv[:, :, vslot]                     # [layers, 2, heads, cap, D]
+        src = self.backend.pool.kv[:, :, vslot]  # [layers, 2, heads, cap, D]
         L, _, H, _, D = src.shape
         n = idx.shape[-1]
         index = idx[:, None, :, :, None].expand(L, 2, H, n, D)
@@ -390,23 +416,29 @@ class SelfDrafter(DraftSource):
             m: Any = mask
             if self.backend.info.layer_types is not None:
                 m = {"full_attention": mask, "sliding_attention": mask}
-            model.model(input_ids=tok, position_ids=torch.from_numpy(pos[None]).to(dev), attention_mask=m,
-                        use_cache=False, **{attention.STEP_KWARG: _ReadStep(self.backend.pool, vslot, cached)})
+            model.model(
+                input_ids=tok,
+                position_ids=torch.from_numpy(pos[None]).to(dev),
+                attention_mask=m,
+                use_cache=False,
+                **{attention.STEP_KWARG: _ReadStep(self.backend.pool, vslot, cached)},
+            )
         finally:
             for h in handles:
                 h.remove()
         out = []
         for li, layer in enumerate(layers):
-            q = queries[li][0].float()                                   # [Hq, w, D]
-            k = self.backend.pool.kv[li, 0, vslot, :, :cached].float()   # [H, cached, D]
+            q = queries[li][0].float()  # [Hq, w, D]
+            k = self.backend.pool.kv[li, 0, vslot, :, :cached].float()  # [H, cached, D]
             groups = q.shape[0] // k.shape[0]
             k = k.repeat_interleave(groups, dim=0)
             scores = torch.matmul(q, k.transpose(1, 2)) * layer.self_attn.scaling
             scores = scores.masked_fill(~mask[0].to(scores.device), float("-inf"))
             votes = torch.softmax(scores, dim=-1).sum(dim=1)[:, :horizon]  # [Hq, horizon]
             votes = votes.view(k.shape[0] // groups, groups, horizon).sum(dim=1)
-            votes = torch.nn.functional.avg_pool1d(votes[:, None], POOL_KERNEL, 1, POOL_KERNEL // 2,
-                                                   count_include_pad=False)[:, 0, :horizon]
+            votes = torch.nn.functional.avg_pool1d(
+                votes[:, None], POOL_KERNEL, 1, POOL_KERNEL // 2, count_include_pad=False
+            )[:, 0, :horizon]
             out.append(torch.topk(votes, min(keep, horizon), dim=-1).indices.sort(dim=-1).values)
         return torch.stack(out).to(self.pool.kv.device)
 
@@ -427,7 +459,7 @@ class SelfDrafter(DraftSource):
         self._arrange([r.request_id for r in reqs])
         for r in reqs:
             vslot, cached = self.locate(r.request_id)
-            cached = min(int(cached), len(r.tokens) - 1)   # the root is not in the verifier's cache yet
+            cached = min(int(cached), len(r.tokens) - 1)  # the root is not in the verifier's cache yet
             view = self._view.get(r.request_id)
             if view is None:
                 view = self._view[r.request_id] = self._build(r.request_id, r.tokens, vslot, cached)
@@ -443,20 +475,27 @@ class SelfDrafter(DraftSource):
         """Drafts every request's chain in gamma passes of one token per request."""
         B, K = len(reqs), self.kv_budget
         trees = [Tree(len(r.tokens), min(int(r.budget), gamma), [], [], [], [], [], [], [], [], [], {}) for r in reqs]
-        valid = np.stack([self._view[r.request_id].valid for r in reqs])          # [B, K]
-        kv_pos = np.stack([self._view[r.request_id].positions for r in reqs])     # [B, K]
+        valid = np.stack([self._view[r.request_id].valid for r in reqs])  # [B, K]
+        kv_pos = np.stack([self._view[r.request_id].positions for r in reqs])  # [B, K]
         root = np.array([len(r.tokens) - 1 for r in reqs], np.int64)
         tok = np.array([r.tokens[-1] for r in reqs], np.int64)
         sampled = np.array([r.temperature >= 1e-5 for r in reqs])
-        last = [-1] * B   # each chain's tip
+        last = [-1] * B  # each chain's tip
         for j in range(gamma):
             S = K + j + 1
             visible = np.zeros((B, 1, S), bool)
             visible[:, 0, :K] = valid
             visible[:, 0, K:] = True
             positions = (root + j)[:, None]
-            h = self._forward(B, tok[:, None], positions, np.full((B, 1), K + j, np.int64), S, visible,
-                              np.concatenate([kv_pos, root[:, None] + np.arange(j + 1)[None]], axis=1))
+            h = self._forward(
+                B,
+                tok[:, None],
+                positions,
+                np.full((B, 1), K + j, np.int64),
+                S,
+                visible,
+                np.concatenate([kv_pos, root[:, None] + np.arange(j + 1)[None]], axis=1),
+            )
             self.passes += 1
             logits = self.backend.logits(h[:, 0]).cpu()
             nxt = logits.argmax(dim=-1).numpy()
@@ -468,7 +507,8 @@ class SelfDrafter(DraftSource):
                     logits[torch.from_numpy(rows)],
                     torch.tensor([self.temperature or r.temperature for r in rs], dtype=torch.float32),
                     torch.tensor([r.top_k for r in rs], dtype=torch.int64),
-                    torch.tensor([r.top_p for r in rs], dtype=torch.float32))
+                    torch.tensor([r.top_p for r in rs], dtype=torch.float32),
+                )
                 drawn = torch.multinomial(processed, 1, generator=self._gen).numpy()[:, 0]
                 for m, b in enumerate(rows.tolist()):
                     t = trees[b]
@@ -487,8 +527,16 @@ class SelfDrafter(DraftSource):
                 break
         return trees
 
-    def _forward(self, B: int, tokens: np.ndarray, positions: np.ndarray, writes: np.ndarray, length: int,
-                 visible: np.ndarray, kv_positions: np.ndarray) -> torch.Tensor:
+    def _forward(
+        self,
+        B: int,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        writes: np.ndarray,
+        length: int,
+        visible: np.ndarray,
+        kv_positions: np.ndarray,
+    ) -> torch.Tensor:
         """Final hidden states [B, T, hidden] of the target over draft slots [0, B)."""
         be = self.backend
         dev = be.device
@@ -500,7 +548,11 @@ class SelfDrafter(DraftSource):
                 near = positions[:, :, None] - kv_positions[:, None, :] < be.info.sliding_window
                 mask["sliding_attention"] = full & torch.from_numpy(near).to(dev)[:, None]
         step = attention.PoolStep(self.pool, slice(0, B), torch.from_numpy(writes).to(dev), length)
-        out = be.model.model(input_ids=torch.from_numpy(tokens).to(dev),
-                             position_ids=torch.from_numpy(positions).to(dev), attention_mask=mask, use_cache=False,
-                             **{attention.STEP_KWARG: step})
+        out = be.model.model(
+            input_ids=torch.from_numpy(tokens).to(dev),
+            position_ids=torch.from_numpy(positions).to(dev),
+            attention_mask=mask,
+            use_cache=False,
+            **{attention.STEP_KWARG: step},
+        )
         return out.last_hidden_state

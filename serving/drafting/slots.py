@@ -14,8 +14,8 @@ class SlotTable:
     """Request ids <-> slots 0..slots-1 (`what` names the pool in the error when it is full)."""
 
     def __init__(self, slots: int, what: str):
-        self.owner: list[int | None] = [None] * slots   # slot -> request id
-        self.slot: dict[int, int] = {}                  # request id -> slot
+        self.owner: list[int | None] = [None] * slots  # slot -> request id
+        self.slot: dict[int, int] = {}  # request id -> slot
         self.what = what
 
     def __contains__(self, request_id: int) -> bool:

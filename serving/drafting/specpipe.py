@@ -72,7 +72,7 @@ class _Node:
 
     def __init__(self, token: int, parent: _Node | None, pos: int, home: int, source: int = -1):
         self.token, self.parent, self.pos, self.home, self.source = token, parent, pos, home, source
-        self.stage = 0            # stages that have computed it
+        self.stage = 0  # stages that have computed it
         self.children: list[_Node] = []
         self.alive = True
 
@@ -96,7 +96,7 @@ class _Flight:
 
     def __init__(self, token: int, pos: int, arena: range):
         self.root = _Node(token, None, pos, pos)
-        self.entered = False          # the root has entered stage 0
+        self.entered = False  # the root has entered stage 0
         self.free = list(reversed(arena))
 
     def subtree(self) -> list[_Node]:
@@ -132,12 +132,12 @@ class _Flight:
 class PipeStats:
     """Counts of the pipelined schedule (for benchmarks)."""
 
-    steps: int = 0            # pipeline steps
-    emitted: int = 0          # tokens committed
-    verified: int = 0         # (request, step) pairs whose root left the last stage
-    flushes: int = 0          # verifications whose token no child held (the pipeline refills)
-    nodes: int = 0            # nodes computed by stage 0 (roots and drafts)
-    seconds: float = 0.0      # wall time in decode steps
+    steps: int = 0  # pipeline steps
+    emitted: int = 0  # tokens committed
+    verified: int = 0  # (request, step) pairs whose root left the last stage
+    flushes: int = 0  # verifications whose token no child held (the pipeline refills)
+    nodes: int = 0  # nodes computed by stage 0 (roots and drafts)
+    seconds: float = 0.0  # wall time in decode steps
 
 
 class SpecPipe:
@@ -155,8 +155,9 @@ class SpecPipe:
         if not isinstance(backend, PipelineBackend):
             raise ValueError(f"pipeline_stages > 1 needs a PipelineBackend, got {type(backend).__name__}")
         if backend.stages != engine.config.pipeline_stages:
-            raise ValueError(f"the backend has {backend.stages} pipeline stages, the engine config "
-                             f"{engine.config.pipeline_stages}")
+            raise ValueError(
+                f"the backend has {backend.stages} pipeline stages, the engine config {engine.config.pipeline_stages}"
+            )
         self.engine, self.backend = engine, backend
         self.S = backend.stages
         if width is None:
@@ -210,8 +211,9 @@ class SpecPipe:
             for n in self.inbox[k]:
                 if n.alive:
                     alive.setdefault(id(self._root_of(n)), []).append(n)
-            per_stage.append([(r, alive[id(self.flights[r.id].root)]) for r in order
-                              if id(self.flights[r.id].root) in alive])
+            per_stage.append(
+                [(r, alive[id(self.flights[r.id].root)]) for r in order if id(self.flights[r.id].root) in alive]
+            )
         index = [{id(n): i for i, n in enumerate(self.inbox[k])} for k in range(S)]
         greedy = {r.id: r.params.greedy for r in reqs}
         works = []
@@ -260,8 +262,12 @@ class SpecPipe:
                 eng.finish_request(r, "error", retire=False, error=f"{type(e).__name__}: {e}")
             if r.finished:
                 self.flights.pop(r.id).drop(None, be.capacity)
-        be.move([(np.asarray(sl, dtype=np.int64), np.asarray(sr, dtype=np.int64), np.asarray(ds, dtype=np.int64))
-                  for sl, sr, ds in moves])
+        be.move(
+            [
+                (np.asarray(sl, dtype=np.int64), np.asarray(sr, dtype=np.int64), np.asarray(ds, dtype=np.int64))
+                for sl, sr, ds in moves
+            ]
+        )
         for r in reqs:  # slots move only now that every row is done
             if r.finished:
                 eng.retire(r)
@@ -270,8 +276,11 @@ class SpecPipe:
         self.stats.seconds += time.perf_counter() - t0
         eng.metrics.decode_step(len(reqs), entered, self.width, t_draft, t_forward, n_emitted, accepted)
         if eng.drafting is not None:
-            upd = [(rid, t) for rid, t in emitted.items() if t and not eng.requests[rid].finished
-                   and eng.requests[rid].draft]
+            upd = [
+                (rid, t)
+                for rid, t in emitted.items()
+                if t and not eng.requests[rid].finished and eng.requests[rid].draft
+            ]
             if upd:
                 try:
                     eng.drafting.extend_batch([rid for rid, _ in upd], [np.asarray(t, dtype=np.int64) for _, t in upd])
@@ -315,8 +324,13 @@ class SpecPipe:
             else:
                 one = pack(np.array([u.token]), np.array([0]), None)
                 p = r.params
-                acc, errs = accept_sampled(one, np.array([0]), [Sampler(p.temperature, p.top_k, p.top_p, r.generator)],
-                                           lambda rows, idx: _row(logits, row), eng.generator)
+                acc, errs = accept_sampled(
+                    one,
+                    np.array([0]),
+                    [Sampler(p.temperature, p.top_k, p.top_p, r.generator)],
+                    lambda rows, idx: _row(logits, row),
+                    eng.generator,
+                )
                 if errs[0]:
                     raise _RowError(errs[0])
                 x = int(acc.bonus[0])
@@ -359,9 +373,19 @@ class SpecPipe:
         trees = [self.flights[r.id].subtree() for r in asked]
         budget = lambda n: int(min(int(_core.MAX_BUDGET), len(n) + 2 * self.width))  # noqa: E731
         try:
-            drafts = eng.drafting.draft([DraftRequest(r.id, r.history(), budget(t), 0.0 if r.params.greedy else
-                                                      r.params.temperature, r.params.top_k, r.params.top_p)
-                                         for r, t in zip(asked, trees)])
+            drafts = eng.drafting.draft(
+                [
+                    DraftRequest(
+                        r.id,
+                        r.history(),
+                        budget(t),
+                        0.0 if r.params.greedy else r.params.temperature,
+                        r.params.top_k,
+                        r.params.top_p,
+                    )
+                    for r, t in zip(asked, trees)
+                ]
+            )
         except Exception as e:  # noqa: BLE001 - drafting is an optimisation
             log.warning("drafting failed for this pipeline step (%s); no tree layer enters", e)
             return {}
@@ -369,8 +393,14 @@ class SpecPipe:
         for b, (r, tree) in enumerate(zip(asked, trees)):
             s, e = int(drafts.offsets[b]), int(drafts.offsets[b + 1])
             if e > s:
-                nodes = self._append(self.flights[r.id], tree, drafts.tokens[s:e], drafts.parents[s:e],
-                                     drafts.scores[s:e], drafts.sources[s:e])
+                nodes = self._append(
+                    self.flights[r.id],
+                    tree,
+                    drafts.tokens[s:e],
+                    drafts.parents[s:e],
+                    drafts.scores[s:e],
+                    drafts.sources[s:e],
+                )
                 if nodes:
                     out[r.id] = nodes
                     r.stats.drafted += len(nodes)
@@ -427,8 +457,13 @@ class SpecPipe:
             slots[i] = r.slot
             base = self.flights[r.id].root.pos  # positions [0, base) are committed in every stage
             homes = sorted({a.home for n in ns for a in n.path()})
-            g = np.concatenate([np.arange(base, dtype=np.int64), np.asarray(homes, dtype=np.int64),
-                                np.asarray([trash], dtype=np.int64)])
+            g = np.concatenate(
+                [
+                    np.arange(base, dtype=np.int64),
+                    np.asarray(homes, dtype=np.int64),
+                    np.asarray([trash], dtype=np.int64),
+                ]
+            )
             col = {h: base + j for j, h in enumerate(homes)}
             m = np.zeros((T, len(g)), dtype=bool)
             m[:, -1] = True  # padding queries see the scratch position only
@@ -456,9 +491,19 @@ class SpecPipe:
         result = None
         if k == S - 1 and R:
             result = (np.array([greedy[r.id] for r, _ in groups], dtype=bool), 0)
-        return Work(slots=slots, tokens=tokens, take=take, positions=positions, writes=writes, gather=gather,
-                    mask=mask, valid=valid, recv_after=recv_after if k > 0 else 0, send=k < S - 1,
-                    result=result)
+        return Work(
+            slots=slots,
+            tokens=tokens,
+            take=take,
+            positions=positions,
+            writes=writes,
+            gather=gather,
+            mask=mask,
+            valid=valid,
+            recv_after=recv_after if k > 0 else 0,
+            send=k < S - 1,
+            result=result,
+        )
 
 
 class _RowError(Exception):

@@ -56,14 +56,20 @@ class EngineConfig:
         from sssd.datastore import RESIDENCY
 
         if self.datastore_residency not in RESIDENCY:
-            raise ValueError(f"datastore_residency must be one of {', '.join(RESIDENCY)}, "
-                             f"got {self.datastore_residency!r}")
-        if isinstance(self.pipeline_stages, bool) or not isinstance(self.pipeline_stages, int) \
-                or self.pipeline_stages < 1:
+            raise ValueError(
+                f"datastore_residency must be one of {', '.join(RESIDENCY)}, got {self.datastore_residency!r}"
+            )
+        if (
+            isinstance(self.pipeline_stages, bool)
+            or not isinstance(self.pipeline_stages, int)
+            or self.pipeline_stages < 1
+        ):
             raise ValueError(f"pipeline_stages must be an int >= 1, got {self.pipeline_stages!r}")
         if self.pipeline_stages > 1 and self.draft_mode != "serial":
-            raise ValueError(f"draft_mode {self.draft_mode!r} does not apply with pipeline stages: their decode loop "
-                             f"(SpecPipe, serving/drafting/specpipe.py) drafts serially")
+            raise ValueError(
+                f"draft_mode {self.draft_mode!r} does not apply with pipeline stages: their decode loop "
+                f"(SpecPipe, serving/drafting/specpipe.py) drafts serially"
+            )
         for name in ("max_running", "max_model_len", "max_waiting", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -35,7 +35,7 @@ class Detokenizer:
             return True
         self._ids.append(int(token))
         if self._stream is None:  # a slow tokenizer: decode the tail window
-            new = self._tokenizer.decode(self._ids, skip_special_tokens=True)[len(self.text):]
+            new = self._tokenizer.decode(self._ids, skip_special_tokens=True)[len(self.text) :]
         else:
             new = self._stream.step(self._rust, int(token)) or ""
         if not new:

@@ -32,12 +32,26 @@ def build_backend(path: Path, config: EngineConfig):
     if config.pipeline_stages > 1:  # the layers split over processes (pipeline_backend.py)
         from sssd.serving.backends.pipeline_backend import PipelineBackend
 
-        return PipelineBackend(path, config.pipeline_stages, slots=config.max_running, capacity=capacity,
-                               dtype=config.dtype, device=config.device, threads=config.threads or 1)
+        return PipelineBackend(
+            path,
+            config.pipeline_stages,
+            slots=config.max_running,
+            capacity=capacity,
+            dtype=config.dtype,
+            device=config.device,
+            threads=config.threads or 1,
+        )
     from sssd.serving.backends.torch_backend import TorchBackend
 
-    return TorchBackend(path, slots=config.max_running, capacity=capacity, dtype=config.dtype, device=config.device,
-                        threads=config.threads, log=log)
+    return TorchBackend(
+        path,
+        slots=config.max_running,
+        capacity=capacity,
+        dtype=config.dtype,
+        device=config.device,
+        threads=config.threads,
+        log=log,
+    )
 
 
 def build_async(config: EngineConfig, drafting: DraftPipeline | None):
@@ -54,27 +68,37 @@ def build_planner(engine):
     once per model and machine), plus what costly draft sources (a draft model) add to a step."""
     from sssd.serving.planning.planner import BudgetPlanner
 
-    costly = [s for s in (engine.drafting.external if engine.drafting is not None else [])
-              if callable(getattr(s, "draft_seconds", None))]
+    costly = [
+        s
+        for s in (engine.drafting.external if engine.drafting is not None else [])
+        if callable(getattr(s, "draft_seconds", None))
+    ]
     params = engine.backend.info.shape.get("params")
-    draft_cost = (lambda batch, profile: sum(s.draft_seconds(batch, profile, params) for s in costly)) if costly else None
-    return BudgetPlanner.create(engine.config, speculate=engine.drafting is not None,
-                                calibration=engine.drafter_configs,
-                                profile=lambda: engine.backend.profile(log=log, force=engine.config.reprofile),
-                                draft_cost=draft_cost)
+    draft_cost = (
+        (lambda batch, profile: sum(s.draft_seconds(batch, profile, params) for s in costly)) if costly else None
+    )
+    return BudgetPlanner.create(
+        engine.config,
+        speculate=engine.drafting is not None,
+        calibration=engine.drafter_configs,
+        profile=lambda: engine.backend.profile(log=log, force=engine.config.reprofile),
+        draft_cost=draft_cost,
+    )
 
 
 def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeline | None:
     """The engine's DraftPipeline (None: no draft source), with the calibration that fits; sets
     engine.drafter_configs / drafter_config / drafter_source to what it drafts with."""
     path, info = engine.model_path, engine.backend.info
-    sources = make_sources(engine, draft if engine.config.speculate else [], datastores[0] if datastores else None,
-                           path)
+    sources = make_sources(
+        engine, draft if engine.config.speculate else [], datastores[0] if datastores else None, path
+    )
     if not sources:
         return None
     eos = min(engine.eos_ids) if engine.eos_ids else None
-    drafting = DraftPipeline(sources, with_end_token(engine.drafter_configs, eos), vocab_size=info.vocab_size,
-                             deferral=Deferral())
+    drafting = DraftPipeline(
+        sources, with_end_token(engine.drafter_configs, eos), vocab_size=info.vocab_size, deferral=Deferral()
+    )
     ds = drafting.datastore
     if ds is not None:
         check_datastore(ds, path, info.vocab_size)
@@ -86,10 +110,10 @@ def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeli
         checked = checked_calibration(engine.drafter_configs, ds, path)
     if checked is not engine.drafter_configs:  # packaged, or calibrated for another setup (warned): the defaults
         engine.drafter_configs = engine.drafter_config = checked
-        sources = [RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s
-                   for s in sources]
-        drafting = DraftPipeline(sources, with_end_token(checked, eos), vocab_size=info.vocab_size,
-                                 deferral=Deferral())
+        sources = [
+            RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s for s in sources
+        ]
+        drafting = DraftPipeline(sources, with_end_token(checked, eos), vocab_size=info.vocab_size, deferral=Deferral())
     if ds is not None:  # fault the mmap in now: cold pages cost milliseconds per draft
         ds.make_resident(engine.config.datastore_residency)
     from sssd.datastore_source import add_datastore
@@ -122,19 +146,29 @@ def make_sources(engine, draft, datastore: Any, model_path: Path) -> list:
             if kind == "model":
                 from sssd.serving.drafting.model_drafter import ModelDrafter
 
-                out.append(ModelDrafter(arg, target=model_path, target_tokenizer=engine.tokenizer,
-                                        slots=engine.config.max_running, capacity=engine.max_model_len,
-                                        dtype=engine.config.dtype, device=engine.config.device,
-                                        threads=engine.config.threads))
+                out.append(
+                    ModelDrafter(
+                        arg,
+                        target=model_path,
+                        target_tokenizer=engine.tokenizer,
+                        slots=engine.config.max_running,
+                        capacity=engine.max_model_len,
+                        dtype=engine.config.dtype,
+                        device=engine.config.device,
+                        threads=engine.config.threads,
+                    )
+                )
                 continue
             if kind == "self":
                 from sssd.serving.drafting.self_drafter import SelfDrafter
 
                 out.append(SelfDrafter.for_engine(engine, arg))
                 continue
-            raise ValueError(f"the draft source '{kind}:{arg}' is not available in this version of sssd "
-                             f"(available: retrieval, model:<name or folder>, recycle, recent, or your own "
-                             f"sssd.DraftSource)")
+            raise ValueError(
+                f"the draft source '{kind}:{arg}' is not available in this version of sssd "
+                f"(available: retrieval, model:<name or folder>, recycle, recent, or your own "
+                f"sssd.DraftSource)"
+            )
         out.append(spec)
     return out
 
@@ -155,9 +189,11 @@ def check_datastore(ds: Any, model_path: Path, vocab_size: int) -> None:
 
         check_compatible(ds, model_path)
     if int(ds.manifest.get("vocab_size", 0)) > vocab_size:
-        raise ValueError(f"the datastore {ds.path} holds token ids up to {int(ds.manifest['vocab_size']) - 1}, "
-                         f"beyond the model's vocabulary ({vocab_size} ids): it was built with another "
-                         f"tokenizer; rebuild it with the model's (sssd build -t {model_path})")
+        raise ValueError(
+            f"the datastore {ds.path} holds token ids up to {int(ds.manifest['vocab_size']) - 1}, "
+            f"beyond the model's vocabulary ({vocab_size} ids): it was built with another "
+            f"tokenizer; rebuild it with the model's (sssd build -t {model_path})"
+        )
 
 
 def drafter_config(drafter: Any) -> Any:
@@ -174,6 +210,7 @@ def default_config(configs: Any) -> sssd.DrafterConfig:
 
 def with_end_token(configs: Any, eos: int | None) -> Any:
     """Every config with the model's end-of-sequence id as its end token, unless it names one."""
+
     def fix(c: sssd.DrafterConfig) -> sssd.DrafterConfig:
         return c if c.end_token is not None else c.replace(end_token=eos)
 

@@ -63,9 +63,15 @@ class LLMEngine:
         backend: a VerifierBackend to verify with (default: a TorchBackend of `model`).
     """
 
-    def __init__(self, model: str | Path, datastore: Any = "default", drafter: Any = None,
-                 config: EngineConfig | None = None, draft: Sequence[str | DraftSource] | str | None = DEFAULT_DRAFT,
-                 backend: VerifierBackend | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        datastore: Any = "default",
+        drafter: Any = None,
+        config: EngineConfig | None = None,
+        draft: Sequence[str | DraftSource] | str | None = DEFAULT_DRAFT,
+        backend: VerifierBackend | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
@@ -119,8 +125,14 @@ class LLMEngine:
         return ds
 
     # -- requests ------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None,
-                    request_id: int | None = None, *, clip_max_tokens: bool = True) -> int:
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        params: SamplingParams | None = None,
+        request_id: int | None = None,
+        *,
+        clip_max_tokens: bool = True,
+    ) -> int:
         """Queues a request: a text, token ids, or chat messages (chat template applied).
 
         Args:
@@ -206,15 +218,26 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode this output
                 log.exception("request %s: its output could not be built", r.id)
                 self.finish_request(r, "error", error=f"{type(e).__name__}: {e}")
-                outputs.append(RequestOutput(r.id, list(r.prompt_ids), r.output_ids, r.sent_text, True, "error",
-                                             stats=r.stats.as_dict(), error=r.error))
+                outputs.append(
+                    RequestOutput(
+                        r.id,
+                        list(r.prompt_ids),
+                        r.output_ids,
+                        r.sent_text,
+                        True,
+                        "error",
+                        stats=r.stats.as_dict(),
+                        error=r.error,
+                    )
+                )
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
 
-    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Runs prompts to completion (offline batch); outputs in prompt order."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)

@@ -44,9 +44,9 @@ class EngineMetrics:
 
     def __init__(self):
         self.steps = 0
-        self.decode_tokens = 0          # tokens emitted by decode steps
+        self.decode_tokens = 0  # tokens emitted by decode steps
         self.prefill_tokens = 0
-        self.num_drafts = 0             # requests x steps with a draft
+        self.num_drafts = 0  # requests x steps with a draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos: dict[int, int] = {}
@@ -54,11 +54,11 @@ class EngineMetrics:
         self.step_time = Histogram()
         self.accepted_by_source: dict[str, int] = {}
         self.prefill_seconds = 0.0
-        self.budgets: dict[int, int] = {}   # budget -> steps that used it
+        self.budgets: dict[int, int] = {}  # budget -> steps that used it
         self.finished_requests = 0
         self.finish_reasons: dict[str, int] = {}
-        self.kv_moves = 0               # accepted paths that were not the first branch (moved in the cache)
-        self.draft_seconds = 0.0        # totals, for the engine-overhead benchmark
+        self.kv_moves = 0  # accepted paths that were not the first branch (moved in the cache)
+        self.draft_seconds = 0.0  # totals, for the engine-overhead benchmark
         self.forward_seconds = 0.0
         #: per decode step, its phases' perf_counter marks (None: not recorded; a list records them)
         self.timeline: list[dict] | None = None
@@ -67,8 +67,16 @@ class EngineMetrics:
         self.prefill_tokens += tokens
         self.prefill_seconds += seconds
 
-    def decode_step(self, batch: int, tokens_in: int, budget: int, t_draft: float, t_forward: float, emitted: int,
-                    accepted: Iterable[int]) -> None:
+    def decode_step(
+        self,
+        batch: int,
+        tokens_in: int,
+        budget: int,
+        t_draft: float,
+        t_forward: float,
+        emitted: int,
+        accepted: Iterable[int],
+    ) -> None:
         self.steps += 1
         self.decode_tokens += emitted
         self.budgets[budget] = self.budgets.get(budget, 0) + 1
@@ -93,10 +101,20 @@ def timeline_entry(plan: Any, job: Any, emitted: int, accepted: int, now: float)
     """A decode step's phases for the timeline: drafting (prepare), forward, acceptance and the
     rest of finish, the wait for the drafting thread, and that thread's own drafting."""
     t = plan.times
-    out = {"batch": len(plan.requests), "budget": plan.budget, "mode": plan.mode, "emitted": emitted,
-           "start": plan.started, "prepared": t.get("prepared", plan.started), "launched": t.get("launched"),
-           "forward": t.get("forward"), "accepted_at": t.get("accepted"), "waited": t.get("waited"), "end": now,
-           "accepted": int(accepted)}
+    out = {
+        "batch": len(plan.requests),
+        "budget": plan.budget,
+        "mode": plan.mode,
+        "emitted": emitted,
+        "start": plan.started,
+        "prepared": t.get("prepared", plan.started),
+        "launched": t.get("launched"),
+        "forward": t.get("forward"),
+        "accepted_at": t.get("accepted"),
+        "waited": t.get("waited"),
+        "end": now,
+        "accepted": int(accepted),
+    }
     if job is not None:
         out.update(draft_start=job.started, draft_end=job.ended)
     return out

@@ -23,8 +23,11 @@ def check_request_args(params: Any, request_id: Any) -> None:
 
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
-                                   or not 0 <= int(request_id) <= MAX_REQUEST_ID):
+    if request_id is not None and (
+        isinstance(request_id, bool)
+        or not isinstance(request_id, (int, np.integer))
+        or not 0 <= int(request_id) <= MAX_REQUEST_ID
+    ):
         raise ValueError(f"request_id must be an int in [0, 2^63), got {request_id!r}")
 
 
@@ -41,14 +44,17 @@ def fit_max_tokens(params: Any, prompt_len: int, max_model_len: int, max_tree: i
     else refused (ContextLengthExceeded, saying what fits)."""
     room = max_model_len - prompt_len - max_tree
     if room < 1:
-        raise ContextLengthExceeded(f"the prompt has {prompt_len} tokens; this engine serves at most "
-                                    f"{max_model_len - max_tree - 1} (max_model_len {max_model_len})")
+        raise ContextLengthExceeded(
+            f"the prompt has {prompt_len} tokens; this engine serves at most "
+            f"{max_model_len - max_tree - 1} (max_model_len {max_model_len})"
+        )
     if params.max_tokens <= room:
         return params
     if not clip:
         raise ContextLengthExceeded(
             f"max_tokens {params.max_tokens} does not fit: the prompt has {prompt_len} tokens and this engine "
-            f"serves at most {max_model_len - max_tree} in all (max_model_len {max_model_len}); ask for at most {room}")
+            f"serves at most {max_model_len - max_tree} in all (max_model_len {max_model_len}); ask for at most {room}"
+        )
     return dataclasses.replace(params, max_tokens=room)
 
 
@@ -98,5 +104,6 @@ def _probe(limit: int, lengths: list[int], encode_prefix) -> None:
         margin = 64 * cuts
         n = len(encode_prefix(cut))
         if n > limit + margin:
-            raise ContextLengthExceeded(f"the prompt has more than {n - margin} tokens; "
-                                        f"this engine serves at most {limit}")
+            raise ContextLengthExceeded(
+                f"the prompt has more than {n - margin} tokens; this engine serves at most {limit}"
+            )

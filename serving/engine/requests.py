@@ -20,9 +20,9 @@ from sssd.serving.engine.params import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"      # admitted to the queue, no slot yet
-    PREFILL = "prefill"      # prompt being written into its KV slot, chunk by chunk
-    DECODE = "decode"        # generating
+    WAITING = "waiting"  # admitted to the queue, no slot yet
+    PREFILL = "prefill"  # prompt being written into its KV slot, chunk by chunk
+    DECODE = "decode"  # generating
     FINISHED = "finished"
 
 
@@ -30,9 +30,9 @@ class Status(enum.Enum):
 class RequestStats:
     """What speculation did for one request."""
 
-    steps: int = 0                      # decoding steps (target forward passes that emitted tokens)
-    drafted: int = 0                    # draft nodes verified
-    accepted: int = 0                   # draft tokens accepted (bonus tokens not counted)
+    steps: int = 0  # decoding steps (target forward passes that emitted tokens)
+    drafted: int = 0  # draft nodes verified
+    accepted: int = 0  # draft tokens accepted (bonus tokens not counted)
     accepted_per_step: list[int] = field(default_factory=list)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     budgets: list[int] = field(default_factory=list)  # budget used at each step
@@ -42,9 +42,15 @@ class RequestStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "tokens_per_step": round(self.tokens_per_step, 4), "accepted_per_step": self.accepted_per_step,
-                "accepted_by_source": self.accepted_by_source, "budgets": self.budgets}
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "accepted_per_step": self.accepted_per_step,
+            "accepted_by_source": self.accepted_by_source,
+            "budgets": self.budgets,
+        }
 
 
 @dataclass
@@ -54,21 +60,21 @@ class Request:
     params: SamplingParams
     arrival: float
     status: Status = Status.WAITING
-    tokens: list[int] = field(default_factory=list)   # prompt + output so far
-    cached: int = 0                                   # tokens whose K/V are in the slot
+    tokens: list[int] = field(default_factory=list)  # prompt + output so far
+    cached: int = 0  # tokens whose K/V are in the slot
     slot: int = -1
     finish_reason: str | None = None
-    text: str = ""                                    # output text so far (stop strings applied)
-    sent_text: str = ""                               # the part of it streamed to the client so far
+    text: str = ""  # output text so far (stop strings applied)
+    sent_text: str = ""  # the part of it streamed to the client so far
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    new_token_count: int = 0                          # tokens added since the last output report
-    error: str | None = None                          # why it finished with "error"
-    draft: bool = True                                # the drafters hold this request's state
-    detok: Any = None                                 # its Detokenizer (incremental text, stop strings)
-    buffer: np.ndarray | None = None                  # tokens as int64, capacity prompt + max_tokens + 1
+    new_token_count: int = 0  # tokens added since the last output report
+    error: str | None = None  # why it finished with "error"
+    draft: bool = True  # the drafters hold this request's state
+    detok: Any = None  # its Detokenizer (incremental text, stop strings)
+    buffer: np.ndarray | None = None  # tokens as int64, capacity prompt + max_tokens + 1
 
     def __post_init__(self):
         if not self.tokens:
@@ -88,7 +94,7 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[len(self.prompt_ids):]
+        return self.tokens[len(self.prompt_ids) :]
 
     @property
     def prompt_len(self) -> int:
@@ -158,8 +164,19 @@ def output_of(req: Request) -> RequestOutput:
     new_text = stream_delta(req)
     req.new_token_count = 0
     metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "finish": req.finish_time}
-    return RequestOutput(req.id, list(req.prompt_ids), list(ids), req.text, req.finished, req.finish_reason,
-                         new_ids, new_text, req.stats.as_dict(), metrics, req.error)
+    return RequestOutput(
+        req.id,
+        list(req.prompt_ids),
+        list(ids),
+        req.text,
+        req.finished,
+        req.finish_reason,
+        new_ids,
+        new_text,
+        req.stats.as_dict(),
+        metrics,
+        req.error,
+    )
 
 
 def stream_delta(req: Request) -> str:
@@ -170,7 +187,7 @@ def stream_delta(req: Request) -> str:
     stable = req.text if req.finished else req.text.rstrip("\ufffd")
     sent = req.sent_text
     if stable.startswith(sent):
-        delta = stable[len(sent):]
+        delta = stable[len(sent) :]
     else:
         common = len(os.path.commonprefix([sent, stable]))
         delta = stable[common:]

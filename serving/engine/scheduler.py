@@ -33,7 +33,7 @@ class Scheduler:
         self.backend = backend
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
-        self.slots: list[Request] = []   # slots[:num_decode] decode, the rest prefill
+        self.slots: list[Request] = []  # slots[:num_decode] decode, the rest prefill
         self.num_decode = 0
 
     def has_work(self) -> bool:
@@ -82,7 +82,7 @@ class Scheduler:
         """Writes the next chunk of the prefilling requests' prompts; promotes those now written."""
         budget = self.prefill_chunk
         rows, chunks, cached = [], [], []
-        for req in self.slots[self.num_decode:]:
+        for req in self.slots[self.num_decode :]:
             if budget <= 0:
                 break
             todo = req.prompt_len - 1 - req.cached  # the last prompt token is the first tree root

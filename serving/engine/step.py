@@ -37,16 +37,16 @@ class StepPlan:
     """A decode step prepared on the CPU, ready to launch."""
 
     requests: list[Request]
-    budget: int              # the planner's budget for this batch size
-    budgets: np.ndarray      # [B] per request (0: not drafting)
+    budget: int  # the planner's budget for this batch size
+    budgets: np.ndarray  # [B] per request (0: not drafting)
     batch: TreeBatch
-    greedy: np.ndarray       # [B] bool
-    started: float           # perf_counter at prepare's start
+    greedy: np.ndarray  # [B] bool
+    started: float  # perf_counter at prepare's start
     draft_seconds: float
-    launched: float = 0.0    # perf_counter when the forward pass started
+    launched: float = 0.0  # perf_counter when the forward pass started
     trials: list | None = None  # [B] per row: packed node -> randomly drawn candidates' trials (acceptance.mss_trials)
-    mode: str = "serial"     # how this step drafts the next one (async: a tree grows beside its forward pass)
-    grown: bool = False      # the drafting thread grows the next step's trees beside this step's forward pass
+    mode: str = "serial"  # how this step drafts the next one (async: a tree grows beside its forward pass)
+    grown: bool = False  # the drafting thread grows the next step's trees beside this step's forward pass
     times: dict = field(default_factory=dict)  # perf_counter marks for the timeline (EngineMetrics.timeline)
 
 
@@ -94,8 +94,12 @@ class DecodeStep:
             for b, t in zip(sampled.tolist(), mss_trials(drafts, proposals, sampled, use)):
                 trials[b] = t
         t_draft = time.perf_counter() - t0
-        batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
-                     np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B), drafts, use)
+        batch = pack(
+            np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
+            np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B),
+            drafts,
+            use,
+        )
         plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
         plan.times["prepared"] = time.perf_counter()
         return plan
@@ -110,8 +114,17 @@ class DecodeStep:
 
         grow = min(GROW * plan.budget, int(sssd._core.MAX_BUDGET))  # drafter-side only: the step packs <= budget
         reqs = [r for r, b in zip(plan.requests, plan.budgets) if b > 0]
-        asks = [DraftRequest(r.id, r.history(), grow, 0.0 if r.params.greedy else r.params.temperature,
-                             r.params.top_k, r.params.top_p) for r in reqs]
+        asks = [
+            DraftRequest(
+                r.id,
+                r.history(),
+                grow,
+                0.0 if r.params.greedy else r.params.temperature,
+                r.params.top_k,
+                r.params.top_p,
+            )
+            for r in reqs
+        ]
         plan.grown = a.submit(self.engine.step_count, asks, {r.id: len(r.tokens) for r in reqs})
 
     def _draft(self, reqs: list[Request], budgets: np.ndarray) -> tuple[Any, np.ndarray | None, list | None]:
@@ -120,8 +133,18 @@ class DecodeStep:
         costs only drafts: those rows decode plainly this step."""
         try:
             drafts, proposals = self.engine.drafting.draft_with_proposals(
-                [DraftRequest(r.id, r.history(), int(b), 0.0 if r.params.greedy else r.params.temperature,
-                              r.params.top_k, r.params.top_p) for r, b in zip(reqs, budgets)])
+                [
+                    DraftRequest(
+                        r.id,
+                        r.history(),
+                        int(b),
+                        0.0 if r.params.greedy else r.params.temperature,
+                        r.params.top_k,
+                        r.params.top_p,
+                    )
+                    for r, b in zip(reqs, budgets)
+                ]
+            )
         except Exception as e:  # noqa: BLE001
             log.warning("drafting failed for this step (%s); decoding without drafts", e)
             return None, None, None
@@ -148,7 +171,8 @@ class DecodeStep:
         if hits and eng.drafting.retrieval and a.idle():
             try:
                 fresh = eng.drafting.draft_retrieval(
-                    [DraftRequest(reqs[b].id, reqs[b].history(), int(budgets[b])) for b in hits])
+                    [DraftRequest(reqs[b].id, reqs[b].history(), int(budgets[b])) for b in hits]
+                )
             except Exception as e:  # noqa: BLE001 - the re-rooted trees alone are still good drafts
                 log.warning("retrieval failed to top up the re-rooted trees (%s); using them alone", e)
                 fresh = None
@@ -180,8 +204,12 @@ class DecodeStep:
             bad = top >= vocab
             if bad.any():
                 for b in np.flatnonzero(bad):
-                    log.warning("request %s: the draft holds token id %d outside the model's vocabulary (%d); "
-                                "dropped", reqs[b].id, int(top[b]), vocab)
+                    log.warning(
+                        "request %s: the draft holds token id %d outside the model's vocabulary (%d); dropped",
+                        reqs[b].id,
+                        int(top[b]),
+                        vocab,
+                    )
                 use &= ~bad
         return use
 
@@ -219,8 +247,15 @@ class DecodeStep:
             if req.finished:
                 eng.retire(req)
         n_emitted = sum(len(v) for v in emitted.values())
-        eng.metrics.decode_step(len(plan.requests), int(plan.batch.sizes.sum()), plan.budget, plan.draft_seconds,
-                                t_forward, n_emitted, accepted)
+        eng.metrics.decode_step(
+            len(plan.requests),
+            int(plan.batch.sizes.sum()),
+            plan.budget,
+            plan.draft_seconds,
+            t_forward,
+            n_emitted,
+            accepted,
+        )
         self._update_sources(plan, out, outcome.errors, emitted, job)
         self._measure(plan, t_forward, accepted, n_emitted, verified, job)
 
@@ -237,13 +272,19 @@ class DecodeStep:
             node[g], count[g], bonus[g] = acc.node, acc.count, acc.bonus
         s = np.flatnonzero(~plan.greedy)
         if s.size:
-            samplers = [Sampler(reqs[b].params.temperature, reqs[b].params.top_k, reqs[b].params.top_p,
-                                reqs[b].generator) for b in s]
+            samplers = [
+                Sampler(reqs[b].params.temperature, reqs[b].params.top_k, reqs[b].params.top_p, reqs[b].generator)
+                for b in s
+            ]
             logits, index = out.logits, out.logit_index
-            acc, errs = accept_sampled(batch, s, samplers,
-                                       lambda rows, idx: logits[torch.from_numpy(index[rows, idx])],
-                                       self.engine.generator,
-                                       None if plan.trials is None else [plan.trials[b] for b in s])
+            acc, errs = accept_sampled(
+                batch,
+                s,
+                samplers,
+                lambda rows, idx: logits[torch.from_numpy(index[rows, idx])],
+                self.engine.generator,
+                None if plan.trials is None else [plan.trials[b] for b in s],
+            )
             node[s], count[s], bonus[s] = acc.node, acc.count, acc.bonus
             errors.update({int(s[j]): e for j, e in enumerate(errs) if e})
         return _Outcome(node, count, bonus, errors)
@@ -305,16 +346,20 @@ class DecodeStep:
                 accepted.append(0)
         return emitted, verified, accepted
 
-    def _update_sources(self, plan: StepPlan, out, errors: dict[int, str], emitted: dict[int, list[int]],
-                        job: Any) -> None:
+    def _update_sources(
+        self, plan: StepPlan, out, errors: dict[int, str], emitted: dict[int, list[int]], job: Any
+    ) -> None:
         """The draft sources learn what was verified (top-k observers) and what was emitted."""
         eng = self.engine
         if eng.drafting is None:
             return
         if out.topk is not None:
             eng.drafting_call(self._observe, plan.requests, plan.batch, out.topk, errors)
-        live = [(rid, toks) for rid, toks in emitted.items()
-                if toks and not eng.requests[rid].finished and eng.requests[rid].draft]
+        live = [
+            (rid, toks)
+            for rid, toks in emitted.items()
+            if toks and not eng.requests[rid].finished and eng.requests[rid].draft
+        ]
         if eng.async_drafter is not None:  # the next step's trees: the grown ones, re-rooted
             if job is not None:
                 eng.async_drafter.reroot_all(job, dict(live))
@@ -323,16 +368,18 @@ class DecodeStep:
         if live:
             eng.drafting_call(self._extend, live)
 
-    def _measure(self, plan: StepPlan, t_forward: float, accepted: list[int], n_emitted: int,
-                 verified: dict, job: Any) -> None:
+    def _measure(
+        self, plan: StepPlan, t_forward: float, accepted: list[int], n_emitted: int, verified: dict, job: Any
+    ) -> None:
         """What the measuring controllers see of the step: its wall time and tokens."""
         eng = self.engine
         B = len(plan.requests)
         seconds = time.perf_counter() - plan.started
         eng.planner.observe(B, plan.budget, seconds, n_emitted)
         if eng.drafting is not None and plan.budget:  # what the deferral of costly sources measures
-            eng.drafting.deferral.observe_step(B, t_forward, {r.id: a for r, a in zip(plan.requests, accepted)},
-                                               seconds, n_emitted, verified)
+            eng.drafting.deferral.observe_step(
+                B, t_forward, {r.id: a for r, a in zip(plan.requests, accepted)}, seconds, n_emitted, verified
+            )
         if eng.mode_chooser is not None and plan.budget:
             eng.mode_chooser.observe(B, plan.mode, seconds, n_emitted)
         if eng.metrics.timeline is not None:

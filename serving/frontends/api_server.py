@@ -53,10 +53,24 @@ MAX_BODY_BYTES = 32 * 2**20
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+        self.status, self.message, self.type, self.param, self.code, self.headers = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+            headers,
+        )
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -68,6 +82,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 # -- ASGI middleware -------------------------------------------------------------------
+
 
 async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
     data = json.dumps(body).encode()
@@ -88,9 +103,16 @@ class AuthMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.public:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                return await _send_json(send, 401, error_body(
-                    "invalid or missing API key (Authorization: Bearer ...)", "authentication_error",
-                    code="invalid_api_key"), {"www-authenticate": "Bearer"})
+                return await _send_json(
+                    send,
+                    401,
+                    error_body(
+                        "invalid or missing API key (Authorization: Bearer ...)",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    ),
+                    {"www-authenticate": "Bearer"},
+                )
         return await self.app(scope, receive, send)
 
 
@@ -106,8 +128,9 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = error_body(f"the request body exceeds {self.limit:,} bytes", "invalid_request_error",
-                               code="request_too_large")
+        too_large = error_body(
+            f"the request body exceeds {self.limit:,} bytes", "invalid_request_error", code="request_too_large"
+        )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await _send_json(send, 413, too_large)
@@ -136,6 +159,7 @@ class BodyLimitMiddleware:
 
 
 # -- request bodies ---------------------------------------------------------------------
+
 
 class _Common(BaseModel):
     # Fields OpenAI clients send that we accept and ignore (user, ...) are allowed;
@@ -202,9 +226,17 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid request: {loc[0]}: {first.get('msg', 'invalid value')}", loc[0]
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, request_timeout: float = 600.0,
-               max_tokens_default: int = 256, public_metrics: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-               drain_timeout: float = 10.0, admin: bool = False) -> FastAPI:
+def create_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    request_timeout: float = 600.0,
+    max_tokens_default: int = 256,
+    public_metrics: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    drain_timeout: float = 10.0,
+    admin: bool = False,
+) -> FastAPI:
     """The server's ASGI app.
 
     Args:
@@ -249,8 +281,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        message = {404: f"no such endpoint: {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        message = {
+            404: f"no such endpoint: {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message, kind, headers=getattr(e, "headers", None)))
 
     @app.exception_handler(Exception)
@@ -266,7 +300,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "sssd"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "sssd"}],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -274,8 +311,13 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def check_common(req: _Common, max_tokens: int | None) -> SamplingParams:
         if req.model not in (None, model_name):
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist; this server serves `{model_name}`",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         if req.logprobs not in (None, False, 0):
@@ -286,8 +328,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
-            return SamplingParams(max_tokens=max_tokens or max_tokens_default, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+            return SamplingParams(
+                max_tokens=max_tokens or max_tokens_default,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop=stop,
+                ignore_eos=req.ignore_eos,
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -295,8 +344,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             return await engine.add(prompt, params, clip_max_tokens=not explicit_max_tokens)
         except OverflowError as e:
-            raise APIError(429, f"{e}; retry later", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                429, f"{e}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
         except ContextLengthExceeded as e:
@@ -334,8 +384,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if out is None or out.finish_reason not in ("error", "shutdown"):
             return
         if out.finish_reason == "shutdown":
-            raise APIError(503, "the server shut down before the request finished", "service_unavailable",
-                           headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "the server shut down before the request finished",
+                "service_unavailable",
+                headers={"Retry-After": "5"},
+            )
         raise APIError(500, f"the request failed in the engine: {out.error or 'unknown error'}", "server_error")
 
     def stream_error(out) -> dict | None:
@@ -346,8 +400,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return None
 
     def usage(out) -> dict:
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+        return {
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(out.token_ids),
+            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
+        }
 
     def finish(out) -> str | None:
         if not out.finished:
@@ -370,8 +427,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if out.finished and (err := stream_error(out)) is not None:
                     yield sse(err)
                 if time.monotonic() > deadline:
-                    yield sse(error_body(f"the request timed out after {request_timeout:g} s", "timeout",
-                                         code="timeout"))
+                    yield sse(
+                        error_body(f"the request timed out after {request_timeout:g} s", "timeout", code="timeout")
+                    )
                     break  # leaving the stream aborts the request
             if include_usage and last is not None:
                 chunk = make_chunk(last)
@@ -379,8 +437,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 yield sse(chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -396,17 +455,30 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         cid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(out):
-            return {"id": cid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": finish(out)}]}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": finish(out)}],
+            }
 
         if req.stream:
-            return stream_response(rid, queue, chunk, include_usage=bool((req.stream_options or {}).get("include_usage")))
+            return stream_response(
+                rid, queue, chunk, include_usage=bool((req.stream_options or {}).get("include_usage"))
+            )
         out = await collect(rid, queue, request)
         if out is None:
             return Response(status_code=499)  # the client went away (nginx's code); nobody reads it
-        return {"id": cid, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish(out)}],
-                "usage": usage(out), "sssd": out.stats}
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": now,
+            "model": model_name,
+            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish(out)}],
+            "usage": usage(out),
+            "sssd": out.stats,
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -415,29 +487,56 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         for m in req.messages:
             content = m.content
             if isinstance(content, list):  # OpenAI content parts: text only
-                content = "".join(p.get("text", "") for p in content
-                                  if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+                content = "".join(
+                    p.get("text", "")
+                    for p in content
+                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                )
             messages.append({"role": m.role, "content": content or ""})
         explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
         rid, queue = await start(messages, params, explicit)
         cid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(out):
-            return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
-                                 "finish_reason": finish(out)}]}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": now,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": out.new_text} if out.new_text else {},
+                        "finish_reason": finish(out),
+                    }
+                ],
+            }
 
         if req.stream:
-            first = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-            return stream_response(rid, queue, chunk, first,
-                                   include_usage=bool((req.stream_options or {}).get("include_usage")))
+            first = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
+            return stream_response(
+                rid, queue, chunk, first, include_usage=bool((req.stream_options or {}).get("include_usage"))
+            )
         out = await collect(rid, queue, request)
         if out is None:
             return Response(status_code=499)
-        return {"id": cid, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": finish(out)}],
-                "usage": usage(out), "sssd": out.stats}
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": now,
+            "model": model_name,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": finish(out)}
+            ],
+            "usage": usage(out),
+            "sssd": out.stats,
+        }
 
     if admin:
         _admin_routes(app, engine)
@@ -474,8 +573,9 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
             raise conflict(e) from None
         except (OSError, ValueError, SSSDError) as e:  # missing, corrupt, another tokenizer: refused, nothing changed
             log.warning("datastore %s refused: %s", req.path, _reason(e))
-            raise APIError(400, f"datastore {req.path} refused: {_reason(e)}", param="path",
-                           code="invalid_datastore") from None
+            raise APIError(
+                400, f"datastore {req.path} refused: {_reason(e)}", param="path", code="invalid_datastore"
+            ) from None
         return dict(added, object="datastore")
 
     @app.delete("/v1/admin/datastores/{name}")
@@ -485,6 +585,10 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
         except SourceConflict as e:
             raise conflict(e) from None
         except KeyError:
-            raise APIError(404, f"no added datastore named {name!r} (GET /v1/admin/datastores lists them)",
-                           "not_found_error", code="datastore_not_found") from None
+            raise APIError(
+                404,
+                f"no added datastore named {name!r} (GET /v1/admin/datastores lists them)",
+                "not_found_error",
+                code="datastore_not_found",
+            ) from None
         return dict(removed, object="datastore", deleted=True)

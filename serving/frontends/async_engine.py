@@ -34,12 +34,12 @@ class ShuttingDown(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()       # guards the engine: its thread steps, handlers add/abort
+        self._lock = threading.Lock()  # guards the engine: its thread steps, handlers add/abort
         self._wakeup = threading.Event()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._loop, name="sssd-engine", daemon=True)
         self._stop = threading.Event()
-        self._aborts: deque[int] = deque()    # requests to cancel, drained by the engine thread
+        self._aborts: deque[int] = deque()  # requests to cancel, drained by the engine thread
         self._tokenizer = copy.deepcopy(engine.tokenizer)  # the front end's own (fast tokenizers are not shareable)
         self._tokenizer_lock = threading.Lock()
         self._shutdown: asyncio.Task | None = None
@@ -91,6 +91,7 @@ class AsyncEngine:
     # -- the asyncio side ---------------------------------------------------------------
     async def _call(self, fn: Callable, *args):
         """Runs an engine call under the lock without blocking the event loop."""
+
         def locked():
             with self._lock:
                 return fn(*args)
@@ -180,8 +181,9 @@ class AsyncEngine:
         from sssd.datastore_source import SourceConflict, add_datastore
 
         if self.engine.drafting is None:
-            raise SourceConflict("this server does not speculate (--no-speculate or --draft none): "
-                                 "no datastore would draft")
+            raise SourceConflict(
+                "this server does not speculate (--no-speculate or --draft none): no datastore would draft"
+            )
         ds = await asyncio.get_running_loop().run_in_executor(None, self.engine.check_datastore, path)
 
         def add() -> dict:
@@ -202,8 +204,10 @@ class AsyncEngine:
             found = [s for s in (drafting.external if drafting is not None else ()) if s.name == name]
             if not found or not isinstance(found[0], DatastoreSource):
                 if name == "datastore" and drafting is not None and drafting.datastore is not None:
-                    raise SourceConflict("'datastore' is the primary datastore (retrieval's, given first at "
-                                         "start); it cannot be removed while the server runs")
+                    raise SourceConflict(
+                        "'datastore' is the primary datastore (retrieval's, given first at "
+                        "start); it cannot be removed while the server runs"
+                    )
                 raise KeyError(name)
             drafting.remove_source(name)
             return dict(found[0].info(), primary=False)
@@ -245,5 +249,10 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
         self.drained = {"running": running, "cut": len(cut)}
-        log.info("engine stopped: %d requests were in flight, %d finished in the %.0f s drain, %d were cut off",
-                 running, running - len(cut), grace, len(cut))
+        log.info(
+            "engine stopped: %d requests were in flight, %d finished in the %.0f s drain, %d were cut off",
+            running,
+            running - len(cut),
+            grace,
+            len(cut),
+        )

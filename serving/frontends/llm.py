@@ -40,22 +40,42 @@ class LLM:
         **engine: other EngineConfig fields (max_running, max_model_len, dtype, device, ...).
     """
 
-    def __init__(self, model: str | Path = DEFAULT_MODEL, datastore: Any = "default", drafter: Any = None,
-                 draft: Sequence[Any] | str | None = DEFAULT_DRAFT, speculate: bool = True, budget: int | None = None,
-                 **engine: Any):
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        datastore: Any = "default",
+        drafter: Any = None,
+        draft: Sequence[Any] | str | None = DEFAULT_DRAFT,
+        speculate: bool = True,
+        budget: int | None = None,
+        **engine: Any,
+    ):
         draft = draft if speculate else []
-        self.engine = LLMEngine(model, datastore=datastore, drafter=drafter, draft=draft,
-                                config=EngineConfig(speculate=speculate, budget=budget, **engine))
+        self.engine = LLMEngine(
+            model,
+            datastore=datastore,
+            drafter=drafter,
+            draft=draft,
+            config=EngineConfig(speculate=speculate, budget=budget, **engine),
+        )
 
-    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generates for each prompt (a text, token ids, or chat messages); outputs in order."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]  # one prompt: a text, token ids or one conversation
         return self.engine.generate(list(prompts), sampling_params, use_tqdm=use_tqdm)
 
-    def chat(self, conversations: Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generates the assistant's reply to each conversation (chat template applied)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

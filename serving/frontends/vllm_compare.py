@@ -73,7 +73,7 @@ PROMPTS = (
     '    >>> below_zero([1, 2, 3])\n    False\n    >>> below_zero([1, 2, -4, 5])\n    True\n    """\n```',
     "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
     "```python\ndef strlen(string: str) -> int:\n"
-    '    """ Return length of given string\n    >>> strlen(\'\')\n    0\n    >>> strlen(\'abc\')\n    3\n'
+    "    \"\"\" Return length of given string\n    >>> strlen('')\n    0\n    >>> strlen('abc')\n    3\n"
     '    """\n```',
     # MT-Bench-style.
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
@@ -82,8 +82,8 @@ PROMPTS = (
     "prepared. Ask specifically about the data analysis, presentation style, and the clarity of conclusions drawn.",
     "Edit the following paragraph to correct any grammatical errors: She didn't remembre where is her purse, "
     "so I thinks its in the car but he's say it's on kitchen table but he are not sure, and then they asked me "
-    "to looking for it, she's say, \"Can you?\", and I responds with, \"Maybe, but ain't no sure,\" and he not "
-    "heard me, and, \"What?\", he asks, \"Did you found it?\".",
+    'to looking for it, she\'s say, "Can you?", and I responds with, "Maybe, but ain\'t no sure," and he not '
+    'heard me, and, "What?", he asks, "Did you found it?".',
     "Implement a program to find the common elements in two arrays without using any extra data structures.",
 )
 
@@ -108,11 +108,18 @@ def _spec_metrics(llm: Any) -> dict:
 def speculative_config(method: str, args: argparse.Namespace) -> dict:
     """vLLM's speculative_config for one method, all verifying at most ``args.k`` tokens per step."""
     if method == "sssd":
-        return {"method": "custom_class", "model": "sssd.serving.vllm_proposer.SSSDProposer",
-                "num_speculative_tokens": args.k}
+        return {
+            "method": "custom_class",
+            "model": "sssd.serving.vllm_proposer.SSSDProposer",
+            "num_speculative_tokens": args.k,
+        }
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.k,
-                "prompt_lookup_min": args.ngram_min, "prompt_lookup_max": args.ngram_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.ngram_min,
+            "prompt_lookup_max": args.ngram_max,
+        }
     if method == "suffix":  # vLLM's defaults otherwise (tree depth 24, spec factor 1, min token prob 0.1)
         return {"method": "suffix", "num_speculative_tokens": args.k}
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -124,28 +131,41 @@ def unavailable(method: str) -> str | None:
         try:
             importlib.import_module("arctic_inference.suffix_decoding")
         except Exception as e:  # noqa: BLE001 - any import failure means the method cannot run
-            return (f"arctic_inference.suffix_decoding does not import ({type(e).__name__}: {e}); "
-                    "vLLM's suffix method needs it (bash scripts/setup_vllm.sh builds arctic-inference==0.3.0)")
+            return (
+                f"arctic_inference.suffix_decoding does not import ({type(e).__name__}: {e}); "
+                "vLLM's suffix method needs it (bash scripts/setup_vllm.sh builds arctic-inference==0.3.0)"
+            )
     return None
 
 
-def _run(model: str, prompts: list[str], max_tokens: int, spec_config: dict | None,
-         max_num_seqs: int) -> dict:
+def _run(model: str, prompts: list[str], max_tokens: int, spec_config: dict | None, max_num_seqs: int) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, max_num_seqs=max_num_seqs, enforce_eager=True,
-              disable_log_stats=False, speculative_config=spec_config, seed=0)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=spec_config,
+        seed=0,
+    )
     start = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     messages = [[{"role": "user", "content": p}] for p in prompts]
     t0 = time.perf_counter()
     outs = llm.chat(messages, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    result = {"speculative_config": spec_config, "startup_s": round(start, 1), "generate_s": round(seconds, 2),
-              "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-              "texts": [o.outputs[0].text for o in outs],
-              "spec_decode": _spec_metrics(llm) if spec_config else {}}
+    result = {
+        "speculative_config": spec_config,
+        "startup_s": round(start, 1),
+        "generate_s": round(seconds, 2),
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
+        "spec_decode": _spec_metrics(llm) if spec_config else {},
+    }
     result["tokens"] = sum(len(t) for t in result["token_ids"])
     result["tokens_per_s"] = round(result["tokens"] / seconds, 2)
     # Release the engine (its core process and KV cache) before the next one starts.
@@ -175,43 +195,58 @@ def summarize(run: dict, plain: dict) -> dict:
 
 def table(report: dict) -> str:
     """The report as a markdown table, one row per method."""
+
     def fmt(v: Any, spec: str = "") -> str:
         return "–" if v is None else format(v, spec)
 
-    rows = ["| method | tokens/s | vs plain | mean acceptance length | draft acceptance | tokens/step "
-            "| drafts | draft tokens | accepted | identical to plain |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    rows.append(f"| plain vLLM | {report['plain']['tokens_per_s']:.1f} | 1.00× | – | – | 1.00 | – | – | – "
-                "| (reference) |")
+    rows = [
+        "| method | tokens/s | vs plain | mean acceptance length | draft acceptance | tokens/step "
+        "| drafts | draft tokens | accepted | identical to plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    rows.append(
+        f"| plain vLLM | {report['plain']['tokens_per_s']:.1f} | 1.00× | – | – | 1.00 | – | – | – | (reference) |"
+    )
     for method in report["methods"]:
         run = report[method]
         sd = run["spec_decode"]
         rate = run["draft_acceptance_rate"]
-        rows.append(f"| {method} | {run['tokens_per_s']:.1f} | {run['tokens_per_s_ratio']:.2f}× "
-                    f"| {fmt(run['mean_acceptance_length'], '.2f')} | {'–' if rate is None else f'{rate:.1%}'} "
-                    f"| {fmt(run['tokens_per_step'], '.2f')} | {sd.get('spec_decode_num_drafts', 0)} "
-                    f"| {sd.get('spec_decode_num_draft_tokens', 0)} | {sd.get('spec_decode_num_accepted_tokens', 0)} "
-                    f"| {'yes' if run['identical'] else '**no**'} |")
+        rows.append(
+            f"| {method} | {run['tokens_per_s']:.1f} | {run['tokens_per_s_ratio']:.2f}× "
+            f"| {fmt(run['mean_acceptance_length'], '.2f')} | {'–' if rate is None else f'{rate:.1%}'} "
+            f"| {fmt(run['tokens_per_step'], '.2f')} | {sd.get('spec_decode_num_drafts', 0)} "
+            f"| {sd.get('spec_decode_num_draft_tokens', 0)} | {sd.get('spec_decode_num_accepted_tokens', 0)} "
+            f"| {'yes' if run['identical'] else '**no**'} |"
+        )
     for method, why in report["skipped"].items():
         rows.append(f"| {method} | skipped: {why} | | | | | | | | |")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="a local Hugging Face model folder (e.g. `sssd models pull`)")
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help=f"comma-separated speculative methods to run after plain vLLM, from {','.join(METHODS)} "
-                         "(one that cannot run here is reported as skipped)")
-    ap.add_argument("--k", type=int, default=8,
-                    help="num_speculative_tokens of every method (longest chain vLLM verifies)")
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated speculative methods to run after plain vLLM, from {','.join(METHODS)} "
+        "(one that cannot run here is reported as skipped)",
+    )
+    ap.add_argument(
+        "--k", type=int, default=8, help="num_speculative_tokens of every method (longest chain vLLM verifies)"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--datastore", default="default", help="SSSD datastore for the proposer ('none': input only)")
-    ap.add_argument("--min-score", type=float, default=0.1,
-                    help="cut chains where a node's expected acceptance falls below this (SSSD_VLLM_MIN_SCORE)")
+    ap.add_argument(
+        "--min-score",
+        type=float,
+        default=0.1,
+        help="cut chains where a node's expected acceptance falls below this (SSSD_VLLM_MIN_SCORE)",
+    )
     ap.add_argument("--ngram-min", type=int, default=2, help="ngram: prompt_lookup_min")
     ap.add_argument("--ngram-max", type=int, default=5, help="ngram: prompt_lookup_max")
     ap.add_argument("-o", "--output", help="write the JSON report here (default: stdout)")
@@ -225,9 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(PROMPTS[: args.prompts])
     import vllm
 
-    report: dict[str, Any] = {"vllm": getattr(vllm, "__version__", "?"), "model": args.model, "k": args.k,
-                              "min_score": args.min_score, "max_tokens": args.max_tokens,
-                              "max_num_seqs": args.max_num_seqs, "prompts": prompts, "methods": [], "skipped": {}}
+    report: dict[str, Any] = {
+        "vllm": getattr(vllm, "__version__", "?"),
+        "model": args.model,
+        "k": args.k,
+        "min_score": args.min_score,
+        "max_tokens": args.max_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "prompts": prompts,
+        "methods": [],
+        "skipped": {},
+    }
     report["plain"] = _run(args.model, prompts, args.max_tokens, None, args.max_num_seqs)
     for method in methods:
         why = unavailable(method)

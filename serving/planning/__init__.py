@@ -1,6 +1,6 @@
 """Costs and budgets: what a forward pass costs and how many draft tokens pay.
 
-    profile.py    forward time by (rows, tokens per row), measured once per model and machine
-    roofline.py   the same from a hardware model (named GPUs), and its fit to a measurement
-    planner.py    the draft budget per batch size from the profile and the calibrated MAT
+profile.py    forward time by (rows, tokens per row), measured once per model and machine
+roofline.py   the same from a hardware model (named GPUs), and its fit to a measurement
+planner.py    the draft budget per batch size from the profile and the calibrated MAT
 """

@@ -77,17 +77,17 @@ class Deferral:
     """The measured terms of the deferral rule (module docstring), kept by a DraftPipeline."""
 
     def __init__(self):
-        self.forward: dict[int, float] = {}                 # batch bucket -> smoothed forward seconds
+        self.forward: dict[int, float] = {}  # batch bucket -> smoothed forward seconds
         self.got, self.promised = PROMISE_PRIOR, PROMISE_PRIOR  # retrieval-only steps: accepted / promised
-        self.sat_out: dict[int, int] = {}                    # source index -> steps sat out in a row
-        self._pending: dict[int, float] = {}                 # request id -> promise of its retrieval-only tree
-        self._alone: dict[int, tuple] = {}                   # request id -> retrieval's own tree, the source drafting
-        self._source_seconds = 0.0                           # the deferring sources' drafting time this step
-        self.counterfactual_steps = 0                        # steps that measured "never" beside the arm run
+        self.sat_out: dict[int, int] = {}  # source index -> steps sat out in a row
+        self._pending: dict[int, float] = {}  # request id -> promise of its retrieval-only tree
+        self._alone: dict[int, tuple] = {}  # request id -> retrieval's own tree, the source drafting
+        self._source_seconds = 0.0  # the deferring sources' drafting time this step
+        self.counterfactual_steps = 0  # steps that measured "never" beside the arm run
         self.asked = self.deferred = 0
         #: whether steps follow the rule, or ask the source always, or never (measured per batch size)
         self.policy = MeasuredChoice(ARMS)
-        self.arm: str | None = None   # this step's (begin_step); None: the rule
+        self.arm: str | None = None  # this step's (begin_step); None: the rule
         self._mode: str | None = None  # this step's drafting mode (the arms' scope)
 
     def begin_step(self, batch: int, mode: str | None = None) -> str:
@@ -120,30 +120,50 @@ class Deferral:
             a_r = promised * self.promise_ratio
             alone = sum(1.0 + a_r[k] for k in drafting)
             both = sum(1.0 + max(a_r[k], source.expected_accepted(requests[k].budget)) for k in drafting)
-            ask = both > (1.0 + self.cost(source, len(drafting))) * alone \
+            ask = (
+                both > (1.0 + self.cost(source, len(drafting))) * alone
                 or self.sat_out.get(index, 0) + 1 >= EXPLORE_EVERY
+            )
             self.sat_out[index] = 0 if ask else self.sat_out.get(index, 0) + 1
         self.asked += ask
         self.deferred += not ask
         return ask
 
-    def drafted(self, requests: Sequence[Any], promised: np.ndarray | None, retrieval_only: bool,
-                alone: Any = None, source_seconds: float = 0.0) -> None:
+    def drafted(
+        self,
+        requests: Sequence[Any],
+        promised: np.ndarray | None,
+        retrieval_only: bool,
+        alone: Any = None,
+        source_seconds: float = 0.0,
+    ) -> None:
         """What a step's trees promised, to compare with what they get (retrieval-only trees only);
         where a deferring source drafted beside retrieval (not `retrieval_only`), retrieval's own
         trees (`alone`, a DraftBatch) and the source's drafting seconds, for the step's
         counterfactual "never"."""
-        self._pending = ({r.request_id: float(promised[k]) for k, r in enumerate(requests) if r.budget > 0}
-                         if retrieval_only and promised is not None else {})
+        self._pending = (
+            {r.request_id: float(promised[k]) for k, r in enumerate(requests) if r.budget > 0}
+            if retrieval_only and promised is not None
+            else {}
+        )
         self._alone, self._source_seconds = {}, float(source_seconds)
         if not retrieval_only and alone is not None:
             o = alone.offsets
-            self._alone = {r.request_id: (alone.tokens[o[k]:o[k + 1]], alone.parents[o[k]:o[k + 1]])
-                           for k, r in enumerate(requests) if r.budget > 0}
+            self._alone = {
+                r.request_id: (alone.tokens[o[k] : o[k + 1]], alone.parents[o[k] : o[k + 1]])
+                for k, r in enumerate(requests)
+                if r.budget > 0
+            }
 
-    def observe_step(self, batch: int, forward_seconds: float, accepted: dict[int, int],
-                     seconds: float | None = None, tokens: int = 0,
-                     verified: dict[int, tuple[Sequence[int], int | None]] | None = None) -> None:
+    def observe_step(
+        self,
+        batch: int,
+        forward_seconds: float,
+        accepted: dict[int, int],
+        seconds: float | None = None,
+        tokens: int = 0,
+        verified: dict[int, tuple[Sequence[int], int | None]] | None = None,
+    ) -> None:
         """After a step: the target's forward time at this batch size, per request the draft tokens
         accepted (for the promise ratio, where the step's trees were retrieval's alone), and the
         whole step's seconds and emitted tokens (for the arm begun, if any). `verified`: per

@@ -42,9 +42,9 @@ class MeasuredChoice:
         if fixed is not None and fixed not in self.arms:
             raise ValueError(f"fixed must be None or one of {', '.join(map(repr, self.arms))}, got {fixed!r}")
         self.block, self.probe_every, self.fixed = int(block), int(probe_every), fixed
-        self._stats: dict = {}   # bucket (or (scope, bucket)) -> arm -> [seconds, tokens]
-        self._state: dict = {}   # bucket -> [arm, steps left, blocks run]
-        self._last: dict = {}    # bucket -> arm -> the block it last ran in
+        self._stats: dict = {}  # bucket (or (scope, bucket)) -> arm -> [seconds, tokens]
+        self._state: dict = {}  # bucket -> [arm, steps left, blocks run]
+        self._last: dict = {}  # bucket -> arm -> the block it last ran in
 
     def choose(self, batch: int, scope: str | None = None) -> str:
         """The arm of a step at this batch size; `scope` keeps separate measurements for steps that
@@ -77,8 +77,9 @@ class MeasuredChoice:
         st[1] -= 1
         self._add(key, arm, seconds, tokens)
 
-    def observe_counterfactual(self, batch: int, arm: str, seconds: float, tokens: float,
-                               scope: str | None = None) -> None:
+    def observe_counterfactual(
+        self, batch: int, arm: str, seconds: float, tokens: float, scope: str | None = None
+    ) -> None:
         """What a step run by another arm would have taken with `arm` instead, worked out exactly
         from the step (sssd.serving.planning.deferral: retrieval's own trees against the verified tokens). Measures
         `arm` beside the arm that ran, on the same steps, without running it or ending a block."""

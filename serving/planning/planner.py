@@ -84,9 +84,17 @@ class BudgetPlanner:
             to a speculating step (draft models); None: drafting is free beside the target.
     """
 
-    def __init__(self, fixed: int | None, mat: dict[int, float] | None = None, profile: ForwardProfile | None = None,
-                 adaptive: bool = True, explore_steps: int = 3, refresh: int = 128, prior_steps: float = 8.0,
-                 draft_cost: Callable[[int, ForwardProfile], float] | None = None):
+    def __init__(
+        self,
+        fixed: int | None,
+        mat: dict[int, float] | None = None,
+        profile: ForwardProfile | None = None,
+        adaptive: bool = True,
+        explore_steps: int = 3,
+        refresh: int = 128,
+        prior_steps: float = 8.0,
+        draft_cost: Callable[[int, ForwardProfile], float] | None = None,
+    ):
         self.fixed = fixed
         self.draft_cost = draft_cost
         known = dict(mat or DEFAULT_MAT)
@@ -102,9 +110,14 @@ class BudgetPlanner:
             raise ValueError("a planning budget planner needs a forward-time profile")
 
     @classmethod
-    def create(cls, config, speculate: bool, calibration: Any,
-               profile: Callable[[], ForwardProfile],
-               draft_cost: Callable[[int, ForwardProfile], float] | None = None) -> BudgetPlanner:
+    def create(
+        cls,
+        config,
+        speculate: bool,
+        calibration: Any,
+        profile: Callable[[], ForwardProfile],
+        draft_cost: Callable[[int, ForwardProfile], float] | None = None,
+    ) -> BudgetPlanner:
         """The planner an engine runs with: no speculation, a fixed budget, or planned
         (the profile is asked for only then).
 
@@ -159,14 +172,22 @@ class BudgetPlanner:
             # a neighbour the model expects to be far slower is not worth trying (large batches)
             floor = 0.75 * self.expected_rate(key, prior)
             cands = {0, prior} | {b for b in near if self.expected_rate(key, b) >= floor}
-            self.buckets[key] = _Bucket(sorted(cands), prior, {b: self.mat[b] for b in cands}, self.explore_steps,
-                                        self.refresh, self.prior_steps)
+            self.buckets[key] = _Bucket(
+                sorted(cands),
+                prior,
+                {b: self.mat[b] for b in cands},
+                self.explore_steps,
+                self.refresh,
+                self.prior_steps,
+            )
         return self.buckets[key]
 
     def observed(self) -> dict[int, dict]:
         """Per batch-size bucket: measured tokens/s per candidate budget and the current choice."""
-        return {k: {"rates": {b: round(r, 2) for b, r in v.rates().items()}, "choice": v.best()}
-                for k, v in sorted(self.buckets.items())}
+        return {
+            k: {"rates": {b: round(r, 2) for b, r in v.rates().items()}, "choice": v.best()}
+            for k, v in sorted(self.buckets.items())
+        }
 
     def table(self, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
         """The planner's view: expected tokens/s per budget, and the choice, per batch size."""
@@ -185,16 +206,23 @@ class _Bucket:
 
     DECAY = 0.98  # weight of past observations per new one (an effective window of ~50 steps per budget)
 
-    def __init__(self, candidates: list[int], prior: int, prior_mat: dict[int, float], explore_steps: int,
-                 refresh: int, prior_steps: float):
+    def __init__(
+        self,
+        candidates: list[int],
+        prior: int,
+        prior_mat: dict[int, float],
+        explore_steps: int,
+        refresh: int,
+        prior_steps: float,
+    ):
         self.candidates = candidates
         self.prior = prior
         self.prior_mat = prior_mat
         self.explore_steps = explore_steps
         self.refresh = refresh
         self.prior_steps = prior_steps
-        self.n = {b: 0.0 for b in candidates}        # decayed step counts
-        self.tokens = {b: 0.0 for b in candidates}   # decayed tokens per row
+        self.n = {b: 0.0 for b in candidates}  # decayed step counts
+        self.tokens = {b: 0.0 for b in candidates}  # decayed tokens per row
         self.seconds = {b: 0.0 for b in candidates}  # decayed step seconds
         self.fresh: dict[int, int] = {b: 0 for b in candidates}  # observations since the last refresh
         self.decisions = 0
@@ -279,20 +307,24 @@ class SelfSpecCostModel:
         self.kv_budget = int(kv_budget)
         self.margin = float(margin)
         self.meta = dict(meta or {})
-        self._draft: dict[int, float] = {}   # batch bucket -> measured seconds per draft pass
+        self._draft: dict[int, float] = {}  # batch bucket -> measured seconds per draft pass
         #: method -> KV budget -> measured per-depth acceptance rates (bench_magicdec --sweep)
         self.acceptance: dict[str, dict[int, list]] = {}
 
     @classmethod
-    def prior(cls, shape: dict, kv_budget: int, bandwidth: float = 8e9, flops: float = 4e10,
-              overhead: float = 2e-3) -> SelfSpecCostModel:
+    def prior(
+        cls, shape: dict, kv_budget: int, bandwidth: float = 8e9, flops: float = 4e10, overhead: float = 2e-3
+    ) -> SelfSpecCostModel:
         """The roofline prior for a model of `shape` (TorchBackend's info.shape) on a small CPU."""
         params = float(shape.get("params", 1e8))
         dtype = float(shape.get("dtype_bytes", 4))
-        kv = 2.0 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype   # bytes per position
-        attn = 4.0 * shape["layers"] * shape["heads"] * shape["head_dim"]            # FLOPs per query-position pair
-        return cls([overhead + params * dtype / bandwidth, 2.0 * params / flops, kv / bandwidth, attn / flops],
-                   kv_budget, meta={"source": "roofline prior"})
+        kv = 2.0 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype  # bytes per position
+        attn = 4.0 * shape["layers"] * shape["heads"] * shape["head_dim"]  # FLOPs per query-position pair
+        return cls(
+            [overhead + params * dtype / bandwidth, 2.0 * params / flops, kv / bandwidth, attn / flops],
+            kv_budget,
+            meta={"source": "roofline prior"},
+        )
 
     @classmethod
     def fit(cls, points: Sequence[tuple[int, int, int, float]], kv_budget: int, **kw) -> SelfSpecCostModel:
@@ -300,16 +332,22 @@ class SelfSpecCostModel:
         pts = np.asarray(points, dtype=np.float64)
         if pts.ndim != 2 or pts.shape[1] != 4 or len(pts) < 4:
             raise ValueError("fitting the cost model needs at least 4 measured passes (B, T, S, seconds)")
-        X = np.stack([np.ones(len(pts)), pts[:, 0] * pts[:, 1], pts[:, 0] * pts[:, 2],
-                      pts[:, 0] * pts[:, 1] * pts[:, 2]], axis=1)
+        X = np.stack(
+            [np.ones(len(pts)), pts[:, 0] * pts[:, 1], pts[:, 0] * pts[:, 2], pts[:, 0] * pts[:, 1] * pts[:, 2]], axis=1
+        )
         # relative errors: divide every row by its time (short and long passes count alike)
         w = 1.0 / pts[:, 3]
         coef = _nnls(X * w[:, None], pts[:, 3] * w)
         return cls(coef, kv_budget, meta={"source": "measured", "points": len(pts)}, **kw)
 
     def to_dict(self) -> dict:
-        return {"coef": self.coef.tolist(), "kv_budget": self.kv_budget, "margin": self.margin, "meta": self.meta,
-                "acceptance": self.acceptance}
+        return {
+            "coef": self.coef.tolist(),
+            "kv_budget": self.kv_budget,
+            "margin": self.margin,
+            "meta": self.meta,
+            "acceptance": self.acceptance,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, kv_budget: int | None = None) -> SelfSpecCostModel:

@@ -58,13 +58,24 @@ class ForwardProfile:
         return float(np.exp(np.interp(r, lr, per_row)))
 
     def to_dict(self) -> dict:
-        return {"version": PROFILE_VERSION, "rows": self.rows, "tokens": self.tokens, "seconds": self.seconds,
-                "context": self.context, "meta": self.meta}
+        return {
+            "version": PROFILE_VERSION,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "context": self.context,
+            "meta": self.meta,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ForwardProfile:
-        return cls(list(d["rows"]), list(d["tokens"]), [list(map(float, r)) for r in d["seconds"]], int(d["context"]),
-                   dict(d.get("meta", {})))
+        return cls(
+            list(d["rows"]),
+            list(d["tokens"]),
+            [list(map(float, r)) for r in d["seconds"]],
+            int(d["context"]),
+            dict(d.get("meta", {})),
+        )
 
 
 def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardProfile:
@@ -112,10 +123,12 @@ def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardP
         row_times += [row_times[-1] * t / tokens[measured - 1] for t in tokens[measured:]]
         seconds.append(row_times)
         if log:
-            log(f"profiled {r} rows: " + ", ".join(f"{t} tok {s * 1e3:.1f} ms" for t, s in
-                                                    zip(tokens[:measured], row_times)))
+            log(
+                f"profiled {r} rows: "
+                + ", ".join(f"{t} tok {s * 1e3:.1f} ms" for t, s in zip(tokens[:measured], row_times))
+            )
     last, base = rows[len(seconds) - 1], seconds[-1]
-    seconds += [[s * r / last for s in base] for r in rows[len(seconds):]]
+    seconds += [[s * r / last for s in base] for r in rows[len(seconds) :]]
     return ForwardProfile(rows, tokens, seconds, context)
 
 
@@ -124,12 +137,19 @@ def _chains(rows: int, n: int):
     from sssd.tree import DraftBatch
 
     N = rows * n
-    return DraftBatch(np.arange(rows + 1, dtype=np.int64) * n, np.zeros(N, np.int64),
-                      np.tile(np.arange(-1, n - 1, dtype=np.int32), rows), np.tile(np.arange(1, n + 1, dtype=np.int32), rows),
-                      np.ones(N, np.float32), np.zeros(N, np.uint8), np.full(N, np.nan, np.float32))
+    return DraftBatch(
+        np.arange(rows + 1, dtype=np.int64) * n,
+        np.zeros(N, np.int64),
+        np.tile(np.arange(-1, n - 1, dtype=np.int32), rows),
+        np.tile(np.arange(1, n + 1, dtype=np.int32), rows),
+        np.ones(N, np.float32),
+        np.zeros(N, np.uint8),
+        np.full(N, np.nan, np.float32),
+    )
 
 
 # -- measuring conditions --------------------------------------------------------------------------
+
 
 def _cpu_busy_seconds() -> float | None:
     """CPU seconds spent busy by the whole machine (all cores) since boot, from /proc/stat."""
@@ -174,9 +194,14 @@ class Conditions:
         other = None
         if self.busy0 is not None and busy1 is not None:
             other = max(0.0, (busy1 - self.busy0) - (_own_cpu_seconds() - self.own0)) / (elapsed * cores)
-        self.record = {"measured_unix": int(time.time()), "seconds": round(elapsed, 2), "cpu_model": cpu_model(),
-                       "cores": cores, "loadavg_1m_before": self.load0,
-                       "other_processes_cpu_share": None if other is None else round(other, 3)}
+        self.record = {
+            "measured_unix": int(time.time()),
+            "seconds": round(elapsed, 2),
+            "cpu_model": cpu_model(),
+            "cores": cores,
+            "loadavg_1m_before": self.load0,
+            "other_processes_cpu_share": None if other is None else round(other, 3),
+        }
         return False
 
 
@@ -226,15 +251,19 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     if log:
-        log(f"profiling the forward pass of {backend.info.path} (cached in {path.parent}; "
-            f"`sssd serve --reprofile` measures it again)")
+        log(
+            f"profiling the forward pass of {backend.info.path} (cached in {path.parent}; "
+            f"`sssd serve --reprofile` measures it again)"
+        )
     with Conditions() as cond:
         prof = measure(backend, log=log)
     prof.meta = {"model": backend.info.path, "identity": ident, "conditions": cond.record}
     other = cond.record["other_processes_cpu_share"]
     if log and other is not None and other > _noisy_share():
-        log(f"WARNING: other processes used {other:.0%} of the CPU while profiling: the planner's costs may be "
-            f"wrong. This profile will be measured again at the next start; run on a quiet machine.")
+        log(
+            f"WARNING: other processes used {other:.0%} of the CPU while profiling: the planner's costs may be "
+            f"wrong. This profile will be measured again at the next start; run on a quiet machine."
+        )
     store(path, prof.to_dict())
     return prof
 

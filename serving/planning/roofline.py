@@ -26,8 +26,8 @@ from sssd.serving.planning.profile import PROFILE_ROWS, ForwardProfile
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    peak_flops: float      # dense 16-bit FLOP/s
-    bandwidth: float       # memory bytes/s
+    peak_flops: float  # dense 16-bit FLOP/s
+    bandwidth: float  # memory bytes/s
     overhead_s: float = 20e-6  # per forward pass (launches, sync)
 
 
@@ -50,9 +50,16 @@ class ModelShape:
         cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
         cfg = cfg.get("text_config", cfg)
         heads = cfg["num_attention_heads"]
-        return cls(p.name, cfg["num_hidden_layers"], cfg["hidden_size"], heads, cfg.get("num_key_value_heads", heads),
-                   cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
-                   cfg["vocab_size"])
+        return cls(
+            p.name,
+            cfg["num_hidden_layers"],
+            cfg["hidden_size"],
+            heads,
+            cfg.get("num_key_value_heads", heads),
+            cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+            cfg["vocab_size"],
+        )
 
     @property
     def params(self) -> int:
@@ -76,8 +83,7 @@ MODELS = {
 }
 
 #: The SSSD paper's end-to-end figures, for side-by-side reading (Llama2-7b, Ascend 910B4).
-PAPER = {"batch 1": "2.05-2.61x", "batch 64": "1.37-1.80x",
-         "free budget": "b x s_q ~ 435 (s_q = 54 at batch 8)"}
+PAPER = {"batch 1": "2.05-2.61x", "batch 64": "1.37-1.80x", "free budget": "b x s_q ~ 435 (s_q = 54 at batch 8)"}
 
 
 def operators(m: ModelShape, batch: int, s_q: int, context: int) -> list[tuple[float, float, int]]:
@@ -86,14 +92,21 @@ def operators(m: ModelShape, batch: int, s_q: int, context: int) -> list[tuple[f
     w = m.dtype_bytes
     tokens = batch * s_q
     h, hq, hkv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    ops = [(2 * tokens * h * out_dim, w * (h * out_dim + tokens * (h + out_dim)), m.layers)
-           for out_dim in (hq, hkv, hkv)]  # Q, K, V projections
+    ops = [
+        (2 * tokens * h * out_dim, w * (h * out_dim + tokens * (h + out_dim)), m.layers) for out_dim in (hq, hkv, hkv)
+    ]  # Q, K, V projections
     ops.append((2 * tokens * hq * h, w * (hq * h + tokens * (hq + h)), m.layers))  # O projection
-    ops.append((2 * tokens * h * m.intermediate, w * (h * m.intermediate + tokens * (h + m.intermediate)),
-                3 * m.layers))  # gate, up, down
+    ops.append(
+        (2 * tokens * h * m.intermediate, w * (h * m.intermediate + tokens * (h + m.intermediate)), 3 * m.layers)
+    )  # gate, up, down
     kv = context + s_q
-    ops.append((4 * batch * m.heads * s_q * kv * m.head_dim,  # attention: QK^T and AV
-                w * (2 * batch * m.kv_heads * kv * m.head_dim + 2 * tokens * hq), m.layers))
+    ops.append(
+        (
+            4 * batch * m.heads * s_q * kv * m.head_dim,  # attention: QK^T and AV
+            w * (2 * batch * m.kv_heads * kv * m.head_dim + 2 * tokens * hq),
+            m.layers,
+        )
+    )
     ops.append((2 * tokens * h * m.vocab, w * (h * m.vocab + tokens * h), 1))  # output head
     return ops
 
@@ -133,7 +146,7 @@ def fit(m: ModelShape, hw: Hardware, measured: ForwardProfile) -> tuple[Hardware
     pts = [(r, t) for r in measured.rows for t in measured.tokens]
     want = np.array([measured.time(r, t) for r, t in pts])
     ops = [operators(m, r, t, measured.context) for r, t in pts]
-    flops = np.array([[f * n for f, _, n in o] for o in ops])   # [points, operators]
+    flops = np.array([[f * n for f, _, n in o] for o in ops])  # [points, operators]
     io = np.array([[b * n for _, b, n in o] for o in ops])
     overheads = np.concatenate([[0.0], np.geomspace(1e-5, 0.1, 120)])
     best = (np.inf, hw, 1.0)
@@ -144,21 +157,37 @@ def fit(m: ModelShape, hw: Hardware, measured: ForwardProfile) -> tuple[Hardware
             err = np.abs(np.log((base[None, :] + overheads[:, None]) / want[None, :])).max(axis=1)
             i = int(err.argmin())
             if err[i] < best[0]:
-                best = (err[i], Hardware(f"{hw.name}, fitted", hw.peak_flops, float(bw), float(overheads[i])), float(eff))
+                best = (
+                    err[i],
+                    Hardware(f"{hw.name}, fitted", hw.peak_flops, float(bw), float(overheads[i])),
+                    float(eff),
+                )
     return best[1], best[2]
 
 
-def roofline_profile(m: ModelShape, hw: Hardware, context: int = 512, efficiency: float = 1.0,
-                     max_tokens: int = 65) -> ForwardProfile:
+def roofline_profile(
+    m: ModelShape, hw: Hardware, context: int = 512, efficiency: float = 1.0, max_tokens: int = 65
+) -> ForwardProfile:
     rows = list(PROFILE_ROWS)
     tokens = list(range(1, max_tokens + 1))
     seconds = [[step_seconds(m, hw, b, t, context, efficiency) for t in tokens] for b in rows]
-    return ForwardProfile(rows, tokens, seconds, context,
-                          {"kind": "roofline", "hardware": hw.name, "model": m.name, "efficiency": efficiency})
+    return ForwardProfile(
+        rows,
+        tokens,
+        seconds,
+        context,
+        {"kind": "roofline", "hardware": hw.name, "model": m.name, "efficiency": efficiency},
+    )
 
 
-def projection(m: ModelShape, hw: Hardware, mat: dict[int, float], batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-               context: int = 512, efficiency: float = 1.0) -> list[dict]:
+def projection(
+    m: ModelShape,
+    hw: Hardware,
+    mat: dict[int, float],
+    batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    context: int = 512,
+    efficiency: float = 1.0,
+) -> list[dict]:
     """Per batch size: the planner's budget under the roofline profile and the projected speedup
     MAT(b) / (t(B, b + 1) / t(B, 1))."""
     from sssd.serving.planning.planner import BudgetPlanner
@@ -169,8 +198,15 @@ def projection(m: ModelShape, hw: Hardware, mat: dict[int, float], batches=(1, 2
     for B in batches:
         b = planner.budget(B)
         cost = prof.time(B, b + 1) / prof.time(B, 1)
-        out.append({"batch": B, "budget": b, "mat": round(planner.mat[b], 3), "cost_ratio": round(cost, 3),
-                    "speedup": round(planner.mat[b] / cost, 3),
-                    "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
-                    "tokens_per_s": round(B * planner.mat[b] / prof.time(B, b + 1), 1)})
+        out.append(
+            {
+                "batch": B,
+                "budget": b,
+                "mat": round(planner.mat[b], 3),
+                "cost_ratio": round(cost, 3),
+                "speedup": round(planner.mat[b] / cost, 3),
+                "plain_tokens_per_s": round(B / prof.time(B, 1), 1),
+                "tokens_per_s": round(B * planner.mat[b] / prof.time(B, b + 1), 1),
+            }
+        )
     return out

@@ -72,9 +72,9 @@ class Accepted:
     """Per row: the deepest accepted node (packed index; 0 = the root: nothing accepted),
     how many draft tokens were accepted, and the bonus token that follows them."""
 
-    node: np.ndarray    # [B] int64
-    count: np.ndarray   # [B] int64
-    bonus: np.ndarray   # [B] int64
+    node: np.ndarray  # [B] int64
+    count: np.ndarray  # [B] int64
+    bonus: np.ndarray  # [B] int64
 
     def path_mask(self, batch: TreeBatch) -> np.ndarray:
         """[B, T] bool: the accepted draft nodes (the root excluded); in packed order they
@@ -113,8 +113,9 @@ class Sampler:
     generator: torch.Generator | None
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+def processed_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Sampling distributions for rows of logits [A, V] (float32) with per-row temperature,
     top-k (0: off) and top-p (1: off).
 
@@ -130,7 +131,9 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         sorted_p = torch.softmax(sorted_x, dim=-1)
         cum = torch.cumsum(sorted_p, dim=-1)
-        cut = (cum - sorted_p >= top_p[:, None]) & (top_p[:, None] < 1)  # drop tokens once the mass before them reaches top_p
+        cut = (cum - sorted_p >= top_p[:, None]) & (
+            top_p[:, None] < 1
+        )  # drop tokens once the mass before them reaches top_p
         sorted_p = sorted_p.masked_fill(cut, 0.0)
         probs = torch.zeros_like(sorted_p).scatter_(1, order, sorted_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -151,8 +154,9 @@ def _uniforms(samplers: Sequence[Sampler], default: torch.Generator) -> torch.Te
 Trials = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def mss_trials(drafts: Any, proposals: Sequence[Sequence[tuple[int, Any]]], rows: np.ndarray,
-               use: np.ndarray | None = None) -> list[dict[int, list[Trials]] | None]:
+def mss_trials(
+    drafts: Any, proposals: Sequence[Sequence[tuple[int, Any]]], rows: np.ndarray, use: np.ndarray | None = None
+) -> list[dict[int, list[Trials]] | None]:
     """Per row in `rows`: packed node index -> the trials of every source that drew candidates
     at random there (sources.Candidates.dists), found in the merged tree by token path.
 
@@ -168,8 +172,9 @@ def mss_trials(drafts: Any, proposals: Sequence[Sequence[tuple[int, Any]]], rows
             out.append(None)
             continue
         s, e = int(drafts.offsets[b]), int(drafts.offsets[b + 1])
-        child = {(p + 1, t): k + 1 for k, (t, p) in
-                 enumerate(zip(drafts.tokens[s:e].tolist(), drafts.parents[s:e].tolist()))}
+        child = {
+            (p + 1, t): k + 1 for k, (t, p) in enumerate(zip(drafts.tokens[s:e].tolist(), drafts.parents[s:e].tolist()))
+        }
         trials: dict[int, list[Trials]] = {}
         for c in drawn:
             where: list[int] = []  # packed index of each candidate in the merged tree (-1: dropped)
@@ -188,8 +193,9 @@ def mss_trials(drafts: Any, proposals: Sequence[Sequence[tuple[int, Any]]], rows
     return out
 
 
-def _speculative_trials(p: torch.Tensor, trials: Sequence[Trials], gen: torch.Generator
-                        ) -> tuple[int, int] | torch.Tensor:
+def _speculative_trials(
+    p: torch.Tensor, trials: Sequence[Trials], gen: torch.Generator
+) -> tuple[int, int] | torch.Tensor:
     """MSS at one node: (token, packed child or -1) if a draw is accepted, else the residual
     distribution [V] (float64) to draw the node's token from."""
     p = p.double()
@@ -206,10 +212,14 @@ def _speculative_trials(p: torch.Tensor, trials: Sequence[Trials], gen: torch.Ge
     return p
 
 
-def accept_sampled(batch: TreeBatch, rows: np.ndarray, samplers: Sequence[Sampler],
-                   logits_at: Callable[[np.ndarray, np.ndarray], torch.Tensor],
-                   default: torch.Generator, trials: Sequence[dict[int, list[Trials]] | None] | None = None
-                   ) -> tuple[Accepted, list[str | None]]:
+def accept_sampled(
+    batch: TreeBatch,
+    rows: np.ndarray,
+    samplers: Sequence[Sampler],
+    logits_at: Callable[[np.ndarray, np.ndarray], torch.Tensor],
+    default: torch.Generator,
+    trials: Sequence[dict[int, list[Trials]] | None] | None = None,
+) -> tuple[Accepted, list[str | None]]:
     """The sampling walk for `rows` (one Sampler each), all rows one depth at a time; at nodes
     holding randomly drawn candidates, multi-step speculative sampling first.
 
@@ -243,8 +253,9 @@ def accept_sampled(batch: TreeBatch, rows: np.ndarray, samplers: Sequence[Sample
             good = []
             for j, i in enumerate(a):
                 try:
-                    processed_probs(logits[j : j + 1], temp[i : i + 1].to(dev), top_k[i : i + 1].to(dev),
-                                    top_p[i : i + 1].to(dev))
+                    processed_probs(
+                        logits[j : j + 1], temp[i : i + 1].to(dev), top_k[i : i + 1].to(dev), top_p[i : i + 1].to(dev)
+                    )
                     good.append(j)
                 except ValueError as e:
                     errors[i] = str(e)

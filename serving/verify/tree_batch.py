@@ -28,14 +28,14 @@ NO_SOURCE = 255  # sources[] of roots and padding
 class TreeBatch:
     """B rows of T query slots each (the root and up to T - 1 draft nodes)."""
 
-    tokens: np.ndarray     # [B, T] int64 (padding: 0)
-    parents: np.ndarray    # [B, T] int64 packed index of the parent; -1 for roots and padding
-    depths: np.ndarray     # [B, T] int64 (0 for roots and padding)
-    valid: np.ndarray      # [B, T] bool: a root or a draft node
-    sizes: np.ndarray      # [B] int64 real query tokens per row (1 + draft nodes)
-    cached: np.ndarray     # [B] int64 tokens already in the row's KV slot
+    tokens: np.ndarray  # [B, T] int64 (padding: 0)
+    parents: np.ndarray  # [B, T] int64 packed index of the parent; -1 for roots and padding
+    depths: np.ndarray  # [B, T] int64 (0 for roots and padding)
+    valid: np.ndarray  # [B, T] bool: a root or a draft node
+    sizes: np.ndarray  # [B] int64 real query tokens per row (1 + draft nodes)
+    cached: np.ndarray  # [B] int64 tokens already in the row's KV slot
     ancestors: np.ndarray  # [B, T, T] bool: ancestors[b, i, j] iff j is i or an ancestor of i
-    sources: np.ndarray    # [B, T] uint8 (NO_SOURCE for roots and padding)
+    sources: np.ndarray  # [B, T] uint8 (NO_SOURCE for roots and padding)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +63,7 @@ class TreeBatch:
         S = self.kv_length
         mask = np.zeros((B, T, S), dtype=bool)
         mask[:] = (np.arange(S)[None, :] < self.cached[:, None])[:, None, :] & self.valid[:, :, None]
-        cols = self.cached[:, None] + np.arange(T)[None, :]                      # [B, T]
+        cols = self.cached[:, None] + np.arange(T)[None, :]  # [B, T]
         mask[np.arange(B)[:, None, None], np.arange(T)[None, :, None], cols[:, None, :]] = self.ancestors
         return mask
 
@@ -105,9 +105,9 @@ def pack(roots: np.ndarray, cached: np.ndarray, drafts: DraftBatch | None, use: 
     if drafts is not None and sizes_d.any():
         rows = np.repeat(np.arange(B), sizes_d)
         starts = drafts.offsets[:-1].astype(np.int64)
-        firsts = np.repeat(starts, sizes_d)                      # first flat node of each node's row
+        firsts = np.repeat(starts, sizes_d)  # first flat node of each node's row
         local = np.arange(rows.shape[0]) - np.repeat(np.cumsum(sizes_d) - sizes_d, sizes_d)
-        flat = firsts + local                                     # the node's index in the DraftBatch
+        flat = firsts + local  # the node's index in the DraftBatch
         cols = local + 1
         tokens[rows, cols] = drafts.tokens[flat]
         parents[rows, cols] = drafts.parents[flat].astype(np.int64) + 1
@@ -137,5 +137,13 @@ def pack_chain(cached: np.ndarray, chunks: list[np.ndarray]) -> TreeBatch:
     depths = np.broadcast_to(idx, (B, T)).copy()
     causal = np.tril(np.ones((T, T), dtype=bool))
     ancestors = np.where(valid[:, :, None], causal[None], np.eye(T, dtype=bool)[None])
-    return TreeBatch(tokens, parents, depths, valid, sizes, np.asarray(cached, dtype=np.int64), ancestors,
-                     np.full((B, T), NO_SOURCE, dtype=np.uint8))
+    return TreeBatch(
+        tokens,
+        parents,
+        depths,
+        valid,
+        sizes,
+        np.asarray(cached, dtype=np.int64),
+        ancestors,
+        np.full((B, T), NO_SOURCE, dtype=np.uint8),
+    )

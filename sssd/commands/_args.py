@@ -185,16 +185,19 @@ def model(text: str) -> str:
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise Error(f"unknown model {text!r}: a model is a registered name or a Hugging Face model folder, "
-                        "not a file")
+            raise Error(
+                f"unknown model {text!r}: a model is a registered name or a Hugging Face model folder, not a file"
+            )
         return text
     try:
         get_spec(text)
     except ValueError:
         if os.sep in text or text.startswith("."):
             raise Error(f"unknown model {text!r}: no such model folder") from None
-        raise Error(f"unknown model {text!r}: not a local model folder and not a registered model "
-                    f"({', '.join(MODELS)}; see `sssd models list`)") from None
+        raise Error(
+            f"unknown model {text!r}: not a local model folder and not a registered model "
+            f"({', '.join(MODELS)}; see `sssd models list`)"
+        ) from None
     return text
 
 

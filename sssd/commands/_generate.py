@@ -40,10 +40,22 @@ from sssd.models import load_model, resolve_model
 from sssd.tokenizer import check_compatible, load_tokenizer
 
 
-def generate(model: str | os.PathLike, records: Sequence[PromptRecord], output: str | Path | None = None, *,
-             dataset: str | None = None, max_new_tokens: int = 256, dtype: str = "float32",
-             chat_template: bool = True, threads: int | None = None, overwrite: bool = False,
-             engine: str = "sssd", batch_size: int = 16, progress: bool = True, log: Log = log_to_stderr) -> Summary:
+def generate(
+    model: str | os.PathLike,
+    records: Sequence[PromptRecord],
+    output: str | Path | None = None,
+    *,
+    dataset: str | None = None,
+    max_new_tokens: int = 256,
+    dtype: str = "float32",
+    chat_template: bool = True,
+    threads: int | None = None,
+    overwrite: bool = False,
+    engine: str = "sssd",
+    batch_size: int = 16,
+    progress: bool = True,
+    log: Log = log_to_stderr,
+) -> Summary:
     """Generates greedy ground truth for a prompt set into a JSONL file (resumable).
 
     With ``engine="sssd"`` (default) the prompts run through SSSD's own continuous-batching engine
@@ -78,21 +90,45 @@ def generate(model: str | os.PathLike, records: Sequence[PromptRecord], output: 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_path = Path(output) if output is not None else default_path(model, dataset)
     if engine == "sssd":
-        return _generate_engine(model, records, out_path, dataset=dataset, max_new_tokens=max_new_tokens,
-                                dtype=dtype, chat_template=chat_template, threads=threads, overwrite=overwrite,
-                                batch_size=batch_size, progress=progress, log=log)
+        return _generate_engine(
+            model,
+            records,
+            out_path,
+            dataset=dataset,
+            max_new_tokens=max_new_tokens,
+            dtype=dtype,
+            chat_template=chat_template,
+            threads=threads,
+            overwrite=overwrite,
+            batch_size=batch_size,
+            progress=progress,
+            log=log,
+        )
     hf_model, tokenizer, folder = load_model(model, dtype, threads=threads, log=log)
     stops = stop_ids(tokenizer, hf_model)
     if not stops:
         raise ValueError(f"model {folder} has no EOS or end-of-turn token to stop at")
-    header = file_header(dataset, model, folder, load_tokenizer(folder), {
-        "mode": "greedy", "max_new_tokens": max_new_tokens, "dtype": dtype, "stop_ids": stops,
-        "chat_template": chat_template, "batch_size": 1, "engine": "transformers"})
+    header = file_header(
+        dataset,
+        model,
+        folder,
+        load_tokenizer(folder),
+        {
+            "mode": "greedy",
+            "max_new_tokens": max_new_tokens,
+            "dtype": dtype,
+            "stop_ids": stops,
+            "chat_template": chat_template,
+            "batch_size": 1,
+            "engine": "transformers",
+        },
+    )
     writer = Writer(out_path, header, overwrite, log)
     summary = Summary(out_path, skipped=sum(1 for r in records if r.id in writer.done))
     todo = [r for r in records if r.id not in writer.done]
-    bar = progress_bar(progress, total=len(records), initial=len(records) - len(todo),
-                       desc=f"{dataset} ground truth", unit="prompt")
+    bar = progress_bar(
+        progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} ground truth", unit="prompt"
+    )
     try:
         for rec in todo:
             messages = filled_messages(rec, writer.done, tokenizer, stops)
@@ -100,8 +136,9 @@ def generate(model: str | os.PathLike, records: Sequence[PromptRecord], output: 
             t0 = time.perf_counter()
             out, finish = greedy_generate(hf_model, ids, max_new_tokens, stops)
             dt = time.perf_counter() - t0
-            writer.append({"id": rec.id, "prompt_ids": ids, "output_ids": out, "finish": finish,
-                           "seconds": round(dt, 3)})
+            writer.append(
+                {"id": rec.id, "prompt_ids": ids, "output_ids": out, "finish": finish, "seconds": round(dt, 3)}
+            )
             summary.new += 1
             summary.new_tokens += len(out)
             summary.seconds += dt
@@ -113,42 +150,76 @@ def generate(model: str | os.PathLike, records: Sequence[PromptRecord], output: 
     return summarize(summary, writer)
 
 
-def _generate_engine(model: str | os.PathLike, records: list[PromptRecord], out_path: Path, *, dataset: str,
-                     max_new_tokens: int, dtype: str, chat_template: bool, threads: int | None, overwrite: bool,
-                     batch_size: int, progress: bool, log: Log) -> Summary:
+def _generate_engine(
+    model: str | os.PathLike,
+    records: list[PromptRecord],
+    out_path: Path,
+    *,
+    dataset: str,
+    max_new_tokens: int,
+    dtype: str,
+    chat_template: bool,
+    threads: int | None,
+    overwrite: bool,
+    batch_size: int,
+    progress: bool,
+    log: Log,
+) -> Summary:
     """``generate`` through SSSD's engine: rounds of ``batch_size`` prompts, each round one
     continuous batch (records that follow another record's output wait for a later round)."""
     folder = resolve_model(model, log=log)
-    llm = sssd.LLM(str(folder), datastore=_drafting_datastore(folder, log), dtype=dtype, threads=threads,
-                   max_running=batch_size)  # sssd.LLM loads the engine (and torch) on first use
+    llm = sssd.LLM(
+        str(folder), datastore=_drafting_datastore(folder, log), dtype=dtype, threads=threads, max_running=batch_size
+    )  # sssd.LLM loads the engine (and torch) on first use
     tokenizer = llm.get_tokenizer()
     stops = stop_ids(tokenizer, llm.engine.backend.model)
     if not stops:
         raise ValueError(f"model {folder} has no EOS or end-of-turn token to stop at")
-    header = file_header(dataset, model, folder, load_tokenizer(folder), {
-        "mode": "greedy", "max_new_tokens": max_new_tokens, "dtype": dtype, "stop_ids": stops,
-        "chat_template": chat_template, "batch_size": batch_size, "engine": "sssd"})
+    header = file_header(
+        dataset,
+        model,
+        folder,
+        load_tokenizer(folder),
+        {
+            "mode": "greedy",
+            "max_new_tokens": max_new_tokens,
+            "dtype": dtype,
+            "stop_ids": stops,
+            "chat_template": chat_template,
+            "batch_size": batch_size,
+            "engine": "sssd",
+        },
+    )
     writer = Writer(out_path, header, overwrite, log)
     summary = Summary(out_path, skipped=sum(1 for r in records if r.id in writer.done))
     todo = [r for r in records if r.id not in writer.done]
     params = sssd.SamplingParams(max_tokens=max_new_tokens, stop_token_ids=tuple(stops))
-    bar = progress_bar(progress, total=len(records), initial=len(records) - len(todo),
-                       desc=f"{dataset} ground truth", unit="prompt")
+    bar = progress_bar(
+        progress, total=len(records), initial=len(records) - len(todo), desc=f"{dataset} ground truth", unit="prompt"
+    )
     try:
         while todo:
             ready = [r for r in todo if not r.follows or r.follows in writer.done]
             if not ready:
                 raise ValueError(f"record {todo[0].id!r} follows {todo[0].follows!r}, which is not in the prompt set")
             batch = ready[:batch_size]
-            prompts = [prompt_ids(tokenizer, filled_messages(r, writer.done, tokenizer, stops), chat_template)
-                       for r in batch]
+            prompts = [
+                prompt_ids(tokenizer, filled_messages(r, writer.done, tokenizer, stops), chat_template) for r in batch
+            ]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t0
             for rec, ids, out in zip(batch, prompts, outs):
                 finish = "eos" if out.token_ids and out.token_ids[-1] in stops else "length"
-                writer.append({"id": rec.id, "prompt_ids": ids, "output_ids": list(out.token_ids), "finish": finish,
-                               "seconds": round(dt / len(batch), 3)})
+                writer.append(
+                    {
+                        "id": rec.id,
+                        "prompt_ids": ids,
+                        "output_ids": list(out.token_ids),
+                        "finish": finish,
+                        "seconds": round(dt / len(batch), 3),
+                    }
+                )
                 summary.new += 1
                 summary.new_tokens += len(out.token_ids)
             summary.seconds += dt

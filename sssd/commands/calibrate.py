@@ -9,8 +9,11 @@ from pathlib import Path
 from sssd.cli import command
 
 
-@command("calibrate", help="Grid-search the drafter's parameters and fit calibration curves by replaying "
-                           "ground-truth outputs (paper 3.1.3); writes one parameter file + plots.")
+@command(
+    "calibrate",
+    help="Grid-search the drafter's parameters and fit calibration curves by replaying "
+    "ground-truth outputs (paper 3.1.3); writes one parameter file + plots.",
+)
 def setup(p: argparse.ArgumentParser):
     from sssd import _core
     from sssd.calibration.grid import GridAxes
@@ -18,37 +21,87 @@ def setup(p: argparse.ArgumentParser):
 
     axes = GridAxes()
     budget = _args.int_range(1, int(_core.MAX_BUDGET))
-    p.add_argument("groundtruth", nargs="+", type=_args.regular_file,
-                   help="ground-truth JSONL files (from `sssd groundtruth`)")
-    p.add_argument("--datastore", default="default", type=_args.datastore("default"),
-                   help="datastore directory or .sssd.zst archive ('default': the default datastore)")
-    p.add_argument("-o", "--output", default="calibration.json", type=_args.output_file,
-                   help="parameter file to write (plots are written beside it)")
-    p.add_argument("--split", choices=("dev", "all"), default="dev",
-                   help="which part of each file to use: 'dev' keeps evaluation data out of calibration")
+    p.add_argument(
+        "groundtruth", nargs="+", type=_args.regular_file, help="ground-truth JSONL files (from `sssd groundtruth`)"
+    )
+    p.add_argument(
+        "--datastore",
+        default="default",
+        type=_args.datastore("default"),
+        help="datastore directory or .sssd.zst archive ('default': the default datastore)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default="calibration.json",
+        type=_args.output_file,
+        help="parameter file to write (plots are written beside it)",
+    )
+    p.add_argument(
+        "--split",
+        choices=("dev", "all"),
+        default="dev",
+        help="which part of each file to use: 'dev' keeps evaluation data out of calibration",
+    )
     p.add_argument("--limit", type=_args.int_range(0), default=0, help="at most this many examples per file (0: all)")
-    p.add_argument("--budgets", type=budget, nargs="+", default=[4, 8, 16, 32, 64], help="draft budgets to calibrate for")
-    p.add_argument("--default-budget", type=_args.int_range(0, int(_core.MAX_BUDGET)), default=0,
-                   help="budget the file uses when none is asked (0: 32 if listed, else the largest)")
+    p.add_argument(
+        "--budgets", type=budget, nargs="+", default=[4, 8, 16, 32, 64], help="draft budgets to calibrate for"
+    )
+    p.add_argument(
+        "--default-budget",
+        type=_args.int_range(0, int(_core.MAX_BUDGET)),
+        default=0,
+        help="budget the file uses when none is asked (0: 32 if listed, else the largest)",
+    )
     p.add_argument("--workers", type=_args.int_range(0), default=0, help="replay processes (0: one per core)")
-    p.add_argument("--model", default=None,
-                   help="the model the ground truth came from, for the file's fingerprint (a model folder or "
-                        "registered name; default: the one the ground-truth files record)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model the ground truth came from, for the file's fingerprint (a model folder or "
+        "registered name; default: the one the ground-truth files record)",
+    )
     for f in GridAxes.__dataclass_fields__:
         is_int = isinstance(getattr(axes, f)[0], int)
         kind = _args.int_range(1) if is_int else _args.float_range(0.0)
-        p.add_argument("--" + f.replace("_", "-"), type=kind, nargs="+", default=list(getattr(axes, f)),
-                       metavar="V", help=f"grid values for {f}")
-    p.add_argument("--draft", action="append", default=[], metavar="model:NAME",
-                   help="also fit the merge discount of this draft model beside retrieval (repeatable; a model "
-                        "name or folder with the target's tokenizer): replays the development split once with the "
-                        "draft model and scores every discount of the grid on the same steps (calibration/hybrid.py)")
-    p.add_argument("--draft-scales", type=_args.float_range(0.0, lo_open=True), nargs="+", default=None, metavar="V",
-                   help="grid of the draft source's discount scale (default: 0.25 0.5 1 2 4)")
-    p.add_argument("--draft-decays", type=_args.float_range(0.0, lo_open=True), nargs="+", default=None, metavar="V",
-                   help="grid of the draft source's depth decay (default: 0.8 1)")
-    p.add_argument("--draft-limit", type=_args.int_range(0), default=32,
-                   help="examples the draft-model fit replays (0: all; each step runs the draft model)")
+        p.add_argument(
+            "--" + f.replace("_", "-"),
+            type=kind,
+            nargs="+",
+            default=list(getattr(axes, f)),
+            metavar="V",
+            help=f"grid values for {f}",
+        )
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="model:NAME",
+        help="also fit the merge discount of this draft model beside retrieval (repeatable; a model "
+        "name or folder with the target's tokenizer): replays the development split once with the "
+        "draft model and scores every discount of the grid on the same steps (calibration/hybrid.py)",
+    )
+    p.add_argument(
+        "--draft-scales",
+        type=_args.float_range(0.0, lo_open=True),
+        nargs="+",
+        default=None,
+        metavar="V",
+        help="grid of the draft source's discount scale (default: 0.25 0.5 1 2 4)",
+    )
+    p.add_argument(
+        "--draft-decays",
+        type=_args.float_range(0.0, lo_open=True),
+        nargs="+",
+        default=None,
+        metavar="V",
+        help="grid of the draft source's depth decay (default: 0.8 1)",
+    )
+    p.add_argument(
+        "--draft-limit",
+        type=_args.int_range(0),
+        default=32,
+        help="examples the draft-model fit replays (0: all; each step runs the draft model)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
@@ -73,17 +126,29 @@ def setup(p: argparse.ArgumentParser):
             if args.limit:
                 items = items[: args.limit]
             examples += items
-            sources.append({"path": str(Path(path).resolve()), "dataset": header.get("dataset"), "model": header.get("model"),
-                            "examples": len(items), "split": args.split})
+            sources.append(
+                {
+                    "path": str(Path(path).resolve()),
+                    "dataset": header.get("dataset"),
+                    "model": header.get("model"),
+                    "examples": len(items),
+                    "split": args.split,
+                }
+            )
         if not examples:
             raise ValueError("no examples after the split: give more ground truth (or --split all)")
         n_trials = axes.size() * len(set(args.budgets))
-        print(f"calibrating on {len(examples)} examples ({sum(len(e.output) for e in examples):,} output tokens) "
-              f"from {len(sources)} files: {n_trials} replays in the grid, then calibration", file=sys.stderr)
+        print(
+            f"calibrating on {len(examples)} examples ({sum(len(e.output) for e in examples):,} output tokens) "
+            f"from {len(sources)} files: {n_trials} replays in the grid, then calibration",
+            file=sys.stderr,
+        )
         bars: dict[str, tqdm] = {}
 
         def progress(stage: str, done: int, total: int) -> None:
-            bar = bars.get(stage) or bars.setdefault(stage, tqdm(total=total, desc=stage, unit="replay", file=sys.stderr))
+            bar = bars.get(stage) or bars.setdefault(
+                stage, tqdm(total=total, desc=stage, unit="replay", file=sys.stderr)
+            )
             bar.update(done - bar.n)
             if done == total:
                 bar.close()
@@ -94,22 +159,36 @@ def setup(p: argparse.ArgumentParser):
         for spec in drafts:
             fit = _fit_draft(spec, target, examples[: args.draft_limit or None], datastore, result, tokenizer, args)
             result.sources[fit.source] = fit.to_dict()
-            print(f"{fit.source}: discount scale {fit.best.scale:g}, depth decay {fit.best.depth_decay:g} at budget "
-                  f"{fit.budget}: estimated MAT {fit.best_mat:.3f} (its default discount {fit.reference_mat:.3f}, "
-                  f"retrieval alone at the same steps {fit.retrieval_mat:.3f}; {fit.steps} steps, {fit.seconds:.0f} s)", file=sys.stderr)
+            print(
+                f"{fit.source}: discount scale {fit.best.scale:g}, depth decay {fit.best.depth_decay:g} at budget "
+                f"{fit.budget}: estimated MAT {fit.best_mat:.3f} (its default discount {fit.reference_mat:.3f}, "
+                f"retrieval alone at the same steps {fit.retrieval_mat:.3f}; {fit.steps} steps, {fit.seconds:.0f} s)",
+                file=sys.stderr,
+            )
         from sssd.paths import portable
 
-        provenance = portable({"datastore": {"path": str(datastore.path), "fingerprint": datastore.manifest.get("fingerprint"),
-                                             "tokenizer": datastore.manifest.get("tokenizer")},
-                               "groundtruth": sources})
+        provenance = portable(
+            {
+                "datastore": {
+                    "path": str(datastore.path),
+                    "fingerprint": datastore.manifest.get("fingerprint"),
+                    "tokenizer": datastore.manifest.get("tokenizer"),
+                },
+                "groundtruth": sources,
+            }
+        )
         written = save(result, Path(args.output), provenance, fingerprint)
         print(f"{'budget':>6} {'default':>8} {'grid best':>9} {'+ curves':>9}  chosen")
         for b in result.budgets:
             best, cal = result.best[b].mat, result.calibrated[b].mat
-            print(f"{b:>6} {result.baseline[b].mat:8.3f} {best:9.3f} {cal:9.3f}  {'calibrated' if cal > best else 'uncalibrated'}")
-        print("wrote " + ", ".join(str(p) for p in written) + f" ({result.seconds:.0f} s); calibrated for datastore "
-              f"{fingerprint.datastore}, tokenizer {str(fingerprint.tokenizer)[:12]}, model {fingerprint.model_name} "
-              f"({fingerprint.model or 'identity unknown: not checked'})")
+            print(
+                f"{b:>6} {result.baseline[b].mat:8.3f} {best:9.3f} {cal:9.3f}  {'calibrated' if cal > best else 'uncalibrated'}"
+            )
+        print(
+            "wrote " + ", ".join(str(p) for p in written) + f" ({result.seconds:.0f} s); calibrated for datastore "
+            f"{fingerprint.datastore}, tokenizer {str(fingerprint.tokenizer)[:12]}, model {fingerprint.model_name} "
+            f"({fingerprint.model or 'identity unknown: not checked'})"
+        )
         return 0
 
     return run
@@ -123,8 +202,10 @@ def _draft_specs(specs: list[str]) -> list[str]:
     for spec in specs:
         kind = parse_spec(spec)
         if not isinstance(kind, tuple) or kind[0] != "model":
-            raise ValueError(f"argument --draft: {spec!r}: only draft models (model:<name or folder>) are fitted "
-                             f"here; retrieval is what the rest of the run calibrates")
+            raise ValueError(
+                f"argument --draft: {spec!r}: only draft models (model:<name or folder>) are fitted "
+                f"here; retrieval is what the rest of the run calibrates"
+            )
         out.append(kind[1])
     return out
 
@@ -138,8 +219,10 @@ def _target_model(model: str | None, headers: list):
         recorded = {m.get("registry") or m.get("path") or m.get("name") for m in headers if isinstance(m, dict)}
         recorded.discard(None)
         if len(recorded) != 1:
-            raise ValueError("--draft needs the target model: give --model (the ground-truth files record "
-                             f"{len(recorded) or 'no'} models)")
+            raise ValueError(
+                "--draft needs the target model: give --model (the ground-truth files record "
+                f"{len(recorded) or 'no'} models)"
+            )
         model = recorded.pop()
     return resolve_model(str(model))
 
@@ -154,19 +237,31 @@ def _fit_draft(name: str, target, examples, datastore, result, tokenizer, args):
     budget = result.default_budget
     batch = 8
     longest = max(len(e.prompt) + len(e.output) for e in examples)
-    source = ModelDrafter(name, target=target, slots=batch, capacity=longest + 2 * budget + 2,
-                          threads=None)
+    source = ModelDrafter(name, target=target, slots=batch, capacity=longest + 2 * budget + 2, threads=None)
     grid = discount_grid(source.discount, args.draft_scales or DEFAULT_SCALES, args.draft_decays or DEFAULT_DECAYS)
-    bar = tqdm(total=sum(len(e.output) for e in examples), desc=f"fitting {source.calibration_key}", unit="tok",
-               file=sys.stderr)
+    bar = tqdm(
+        total=sum(len(e.output) for e in examples),
+        desc=f"fitting {source.calibration_key}",
+        unit="tok",
+        file=sys.stderr,
+    )
 
     def progress(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
     try:
-        return fit_source_discount(examples, datastore, result.config(budget), source, budget, grid,
-                                   batch_size=batch, key=source.calibration_key,
-                                   vocab_size=source.backend.info.vocab_size, progress=progress)
+        return fit_source_discount(
+            examples,
+            datastore,
+            result.config(budget),
+            source,
+            budget,
+            grid,
+            batch_size=batch,
+            key=source.calibration_key,
+            vocab_size=source.backend.info.vocab_size,
+            progress=progress,
+        )
     finally:
         bar.close()
 
@@ -187,14 +282,20 @@ def _fingerprint(datastore, tokenizer, model: str | None, headers: list):
     recorded = (m.get("registry") or m.get("path") or m.get("name") for m in headers if isinstance(m, dict))
     named = {m for m in recorded if isinstance(m, str)}
     if len(named) != 1:
-        print(f"note: the ground-truth files record {len(named) or 'no'} models ({', '.join(sorted(named)) or '-'}); "
-              "the fingerprint leaves the model out (give --model to record it)", file=sys.stderr)
+        print(
+            f"note: the ground-truth files record {len(named) or 'no'} models ({', '.join(sorted(named)) or '-'}); "
+            "the fingerprint leaves the model out (give --model to record it)",
+            file=sys.stderr,
+        )
         return Fingerprint(ds_fp, tok)
     model = named.pop()
     name, model_fp = model_fingerprint(model)
     if model_fp is None:
-        print(f"note: cannot identify the ground truth's model {model} (no such folder or registered model); "
-              "the fingerprint leaves the model out (give --model to record it)", file=sys.stderr)
+        print(
+            f"note: cannot identify the ground truth's model {model} (no such folder or registered model); "
+            "the fingerprint leaves the model out (give --model to record it)",
+            file=sys.stderr,
+        )
     return Fingerprint(ds_fp, tok, model_fp, name)
 
 
@@ -213,7 +314,11 @@ def _grid(args: argparse.Namespace):
         for v in vs:
             try:
                 one = GridAxes(**dict(first, **{f: (v,)}))
-                one.query_points(DrafterConfig()) + one.discount_points(DrafterConfig()) + one.copy_points(DrafterConfig())
+                (
+                    one.query_points(DrafterConfig())
+                    + one.discount_points(DrafterConfig())
+                    + one.copy_points(DrafterConfig())
+                )
             except ValueError as e:
                 raise ValueError(f"argument --{f.replace('_', '-')}: {v} is refused: {e}") from None
     return GridAxes(**values)

@@ -17,8 +17,9 @@ def ensure_default_datastore() -> None:
     path = default_datastore_path()
     if (path / "manifest.json").exists():
         return
-    print(f"The default datastore is not built yet: building it now into {path} (once; about a minute).",
-          file=sys.stderr)
+    print(
+        f"The default datastore is not built yet: building it now into {path} (once; about a minute).", file=sys.stderr
+    )
     from sssd.datastore_builder.build import build_datastore, terminate_as_interrupt
     from sssd.datastore_builder.default import default_config
 
@@ -32,16 +33,30 @@ def setup(p: argparse.ArgumentParser):
     from sssd import _core
     from sssd.commands import _args
 
-    p.add_argument("text", nargs="?", type=_args.non_empty("text"),
-                   help="the context to continue (tokenized with the datastore's tokenizer)")
+    p.add_argument(
+        "text",
+        nargs="?",
+        type=_args.non_empty("text"),
+        help="the context to continue (tokenized with the datastore's tokenizer)",
+    )
     p.add_argument("--ids", type=_args.token_ids, metavar="IDS", help="comma-separated token ids instead of text")
-    p.add_argument("--datastore", default="default", type=_args.datastore("default", "none"),
-                   help="datastore directory or .sssd.zst archive, 'default' (built on first use), or 'none' "
-                        "(input source only)")
-    p.add_argument("--tokenizer", type=_args.file_or_folder,
-                   help="tokenizer.json / model folder / GGUF (default: the one the datastore was built with)")
-    p.add_argument("--budget", type=_args.int_range(1, int(_core.MAX_BUDGET)), default=32,
-                   help="draft tree size (candidate tokens)")
+    p.add_argument(
+        "--datastore",
+        default="default",
+        type=_args.datastore("default", "none"),
+        help="datastore directory or .sssd.zst archive, 'default' (built on first use), or 'none' (input source only)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=_args.file_or_folder,
+        help="tokenizer.json / model folder / GGUF (default: the one the datastore was built with)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_args.int_range(1, int(_core.MAX_BUDGET)),
+        default=32,
+        help="draft tree size (candidate tokens)",
+    )
     p.add_argument("--config", type=_args.regular_file, help="drafter config JSON (e.g. from sssd calibrate)")
     p.add_argument("--paths", type=_args.int_range(1), default=12, help="branches to print")
     p.add_argument("--json", action="store_true", help="print the tree's arrays as JSON")
@@ -86,8 +101,10 @@ def setup(p: argparse.ArgumentParser):
             print_json({k: getattr(tree, k).tolist() for k in ("tokens", "parents", "depths", "scores", "sources")})
             return 0
         counts = tree.source_counts()
-        print(f"context: {len(ids)} tokens; draft: {len(tree)} nodes, depth {tree.max_depth}, "
-              f"{counts['datastore']} from the datastore, {counts['input']} from the input ({ms:.2f} ms)")
+        print(
+            f"context: {len(ids)} tokens; draft: {len(tree)} nodes, depth {tree.max_depth}, "
+            f"{counts['datastore']} from the datastore, {counts['input']} from the input ({ms:.2f} ms)"
+        )
         chain = tree.chain_tokens().tolist()
         if chain:
             print(f"best chain: {decode(chain)!r}" if decode else f"best chain: {chain}")

@@ -13,8 +13,13 @@ from sssd.cli import command
 def setup(p: argparse.ArgumentParser):
     from sssd.commands import _args
 
-    p.add_argument("datastore", nargs="?", default="default", type=_args.datastore("default"),
-                   help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)")
+    p.add_argument(
+        "datastore",
+        nargs="?",
+        default="default",
+        type=_args.datastore("default"),
+        help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
     def run(args: argparse.Namespace) -> int:
@@ -45,8 +50,10 @@ def _print(m: dict, where, ds) -> None:
     index_bits = (ds.native.index_bytes if ds is not None else m.get("index_bytes", 4)) * 8
     print(f"datastore      {where}")
     if ds is None:
-        print(f"archive        {Path(where).stat().st_size / 2**20:,.1f} MiB compressed "
-              f"({Path(where).stat().st_size / max(num_tokens, 1):.2f} bytes/token); unpacked into the cache on first open")
+        print(
+            f"archive        {Path(where).stat().st_size / 2**20:,.1f} MiB compressed "
+            f"({Path(where).stat().st_size / max(num_tokens, 1):.2f} bytes/token); unpacked into the cache on first open"
+        )
     print(f"format         v{m.get('format_version')}, {index_bits}-bit suffix indices, mmap")
     print(f"tokens         {num_tokens:,}")
     print(f"documents      {(ds.num_docs if ds is not None else m.get('num_docs', 0)):,}")
@@ -56,10 +63,14 @@ def _print(m: dict, where, ds) -> None:
     index_bytes = sum(files[n].get("bytes", 0) for n in DATA_FILES if n in files)
     total_bytes = sum(f.get("bytes", 0) for f in files.values())
     if total_bytes:
-        print(f"size on disk   {total_bytes / 2**20:,.1f} MiB; index files {index_bytes / 2**20:,.1f} MiB "
-              f"({index_bytes / max(num_tokens, 1):.2f} bytes/token)")
+        print(
+            f"size on disk   {total_bytes / 2**20:,.1f} MiB; index files {index_bytes / 2**20:,.1f} MiB "
+            f"({index_bytes / max(num_tokens, 1):.2f} bytes/token)"
+        )
     if tok:
-        print(f"tokenizer      {tok.get('name')} (sha256 {str(tok.get('sha256'))[:16]}..., vocab {tok.get('vocab_size'):,})")
+        print(
+            f"tokenizer      {tok.get('name')} (sha256 {str(tok.get('sha256'))[:16]}..., vocab {tok.get('vocab_size'):,})"
+        )
         if tok.get("path"):
             print(f"               {tok['path']}")
     else:
@@ -86,13 +97,27 @@ def _print(m: dict, where, ds) -> None:
         print(f"held out       {hold.get('count', 0):,} records in {hold.get('file')}: {hold.get('rule')}")
     build = m.get("build")
     if isinstance(build, dict):
-        params = {k: build[k] for k in ("roles", "format", "messages_field", "text_fields", "text_split", "dedup",
-                                        "strict", "holdout_every") if k in build and build[k] not in (None, [], "")}
+        params = {
+            k: build[k]
+            for k in (
+                "roles",
+                "format",
+                "messages_field",
+                "text_fields",
+                "text_split",
+                "dedup",
+                "strict",
+                "holdout_every",
+            )
+            if k in build and build[k] not in (None, [], "")
+        }
         print(f"build          {', '.join(f'{k}={v}' for k, v in params.items())}")
         stages = build.get("stage_seconds") or {}
         if stages:
-            print(f"stage seconds  {', '.join(f'{k} {v:.2f}' for k, v in stages.items())}; "
-                  f"total {m.get('build_seconds', sum(stages.values())):.2f}")
+            print(
+                f"stage seconds  {', '.join(f'{k} {v:.2f}' for k, v in stages.items())}; "
+                f"total {m.get('build_seconds', sum(stages.values())):.2f}"
+            )
         versions = build.get("versions")
         if versions:
             print(f"versions       {', '.join(f'{k} {v}' for k, v in versions.items())}")

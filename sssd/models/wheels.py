@@ -36,8 +36,9 @@ def installed_file(part: Part) -> Path | None:
     return path if path.is_file() else None
 
 
-def download_wheels(requirements: Sequence[str], dest: str | Path, *, progress: bool = True,
-                    log: Log = _stderr) -> list[Path]:
+def download_wheels(
+    requirements: Sequence[str], dest: str | Path, *, progress: bool = True, log: Log = _stderr
+) -> list[Path]:
     """Fetches wheels with pip (``--no-deps --only-binary=:all:``), one requirement at a time.
 
     Returns:
@@ -53,8 +54,18 @@ def download_wheels(requirements: Sequence[str], dest: str | Path, *, progress: 
         if progress:
             log(f"pip download {req}" + (f" [{i}/{len(requirements)}]" if len(requirements) > 1 else ""))
         before = set(dest.glob("*.whl"))
-        _run_pip(["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
-                  "-d", str(dest), req])
+        _run_pip(
+            [
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "--no-input",
+                "-d",
+                str(dest),
+                req,
+            ]
+        )
         out.append(_find_wheel(dest, req, before))
     return out
 
@@ -67,8 +78,10 @@ def _run_pip(args: list[str]) -> None:
         raise RuntimeError(f"cannot run pip ({' '.join(cmd[:3])}): {e}") from None
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
-        raise RuntimeError(f"`pip {' '.join(args)}` failed (exit {proc.returncode}); PyPI must be reachable"
-                           + (f":\n{tail}" if tail else ""))
+        raise RuntimeError(
+            f"`pip {' '.join(args)}` failed (exit {proc.returncode}); PyPI must be reachable"
+            + (f":\n{tail}" if tail else "")
+        )
 
 
 def _find_wheel(dest: Path, requirement: str, before: set[Path]) -> Path:
@@ -98,4 +111,3 @@ def read_wheel_file(wheel: str | Path, member: str) -> bytes:
     wheel_member(wheel, member)
     with zipfile.ZipFile(wheel) as z:
         return z.read(member)
-
