@@ -221,16 +221,37 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def margin_at(folder: Path, device: torch.device, prefix: list[int]) -> float:
-    """Top-1 minus top-2 logit of the next token after `prefix` (plain transformers, float32): how
-    close to a tie a divergence was."""
+def margin_at(folder: Path, device: torch.device, prefix: list[int], chosen: int | None = None) -> dict:
+    """How close to a tie a divergence was: after `prefix`, plain transformers' (float32) top-1 minus
+    top-2 logit, the rank of the token SSSD chose and its gap to the top, beside the logits' scale
+    (max |logit|), so a rounding tie (a gap ~1e-6 of the scale) reads apart from a wrong token."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     with torch.inference_mode():
         logits = model(torch.tensor([prefix], device=device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+    top = logits.topk(2)
+    out = {
+        "plain_margin": float(top.values[0] - top.values[1]),
+        "top2": [int(t) for t in top.indices],
+        "logit_scale": float(logits.abs().max()),
+    }
+    if chosen is not None:
+        out["chosen"] = int(chosen)
+        out["chosen_rank"] = int((logits > logits[chosen]).sum())
+        out["chosen_gap"] = float(top.values[0] - logits[chosen])
+        out["relative_gap"] = out["chosen_gap"] / max(out["logit_scale"], 1e-30)
+    return out
+
+
+TIE_RELATIVE_GAP = 1e-4
+
+
+def is_rounding_tie(diff: dict) -> bool:
+    """A divergence at a near tie: SSSD took plain's runner-up, and the two logits differ by less
+    than 1e-4 of the logits' scale (float32 kernels of other shapes, a tree pass against a one-token
+    pass, round sums differently by about that much). Reported as such, never hidden."""
+    return diff.get("chosen_rank") == 1 and diff.get("relative_gap", 1.0) < TIE_RELATIVE_GAP
 
 
 def lossless(report: Report, device: torch.device, small: bool, work: Path) -> dict:
@@ -291,18 +312,24 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
                 got = run(label, ["retrieval"], b, datastore=ds, draft_mode=mode)
                 diffs = [i for i, (x, y) in enumerate(zip(got, plain[b])) if x != y]
                 check = {"identical": not diffs, "prompts_differing": diffs}
-                if diffs:
-                    i = diffs[0]
+                firsts = []
+                for i in diffs:
                     at = first_difference(got[i], plain[b][i])
-                    check["first"] = {
-                        "prompt": i,
-                        "token": at,
-                        "plain_margin": margin_at(folder, device, ps[i] + plain[b][i][:at]),
-                    }
+                    chosen = got[i][at] if at < len(got[i]) else None
+                    firsts.append(
+                        {"prompt": i, "token": at, **margin_at(folder, device, ps[i] + plain[b][i][:at], chosen)}
+                    )
+                if firsts:
+                    check["first"] = firsts[0]
+                    check["differences"] = firsts
+                    check["rounding_ties"] = all(is_rounding_tie(f) for f in firsts)
                 checks[label] = check
-                report.say(
-                    f"  {name} {label} vs plain: {'IDENTICAL' if not diffs else 'DIFFERENT ' + json.dumps(check)}"
-                )
+                verdict = "IDENTICAL"
+                if diffs:
+                    verdict = (
+                        "DIFFERENT at rounding ties only " if check["rounding_ties"] else "DIFFERENT "
+                    ) + json.dumps(check["first"])
+                report.say(f"  {name} {label} vs plain: {verdict}")
         seeded = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         b = batch_sizes[-1]
         want = run(f"plain sampled batch {b}", [], b, params=seeded)
@@ -711,14 +738,21 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as work:
             res = lossless(report, device, args.small, Path(work))
         report.put("lossless", res)
-        bad = [
-            f"{m}: {c}"
+        differing = [
+            (f"{m}: {c}", v.get("rounding_ties", False))
             for m, r in res.items()
             for c, v in r["checks"].items()
             if not v["identical"] and not c.startswith("plain")
         ]
+        bad = [c for c, tie in differing if not tie]
+        ties = [c for c, tie in differing if tie]
         ok = not bad
-        report.say("lossless: ALL IDENTICAL" if ok else "lossless: DIFFERENCES in " + "; ".join(bad))
+        if not differing:
+            report.say("lossless: ALL IDENTICAL")
+        elif ok:
+            report.say("lossless: identical except at float32 rounding ties in " + "; ".join(ties))
+        else:
+            report.say("lossless: DIFFERENCES in " + "; ".join(bad))
     if "profile" not in args.skip:
         report.say("== 2. the verification cost profile")
         measured = profile(report, device, args.small, args.rows)
