@@ -205,6 +205,26 @@ class DraftBatch:
         """Per request, the best chain (see DraftTree.best_chain), as CSR (offsets, node indices)."""
         return _core.best_chains(self.offsets, self.parents, self.scores)
 
+    def prefix(self, counts: np.ndarray) -> DraftBatch:
+        """Each request's first counts[b] nodes (a parent precedes its children, so every prefix
+        is a tree; the drafter emits nodes best first, so a prefix is the tree at a smaller budget)."""
+        sizes = self.sizes
+        counts = np.minimum(np.maximum(np.asarray(counts, dtype=np.int64), 0), sizes)
+        local = np.arange(self.tokens.shape[0]) - np.repeat(self.offsets[:-1], sizes)
+        keep = local < np.repeat(counts, sizes)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        opt = {k: (None if getattr(self, k) is None else getattr(self, k)[keep]) for k in ("probs", "match_lens")}
+        return DraftBatch(
+            offsets,
+            self.tokens[keep],
+            self.parents[keep],
+            self.depths[keep],
+            self.scores[keep],
+            self.sources[keep],
+            self.draft_probs[keep],
+            **opt,
+        )
+
 
 def concat(trees: Sequence[DraftTree]) -> DraftBatch:
     """Concatenates single drafts into a batch."""

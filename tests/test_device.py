@@ -138,3 +138,39 @@ def test_a_kv_pool_that_does_not_fit_says_its_sizes(llama):
         r" x 16 x K and V x 4 bytes\).*--max-running",
     ):
         TorchBackend(llama, slots=2**20, capacity=2**20)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_a_ragged_pass_computes_what_a_padded_one_does(llama, fold):
+    """Trees of unequal size run ragged (the layers over the real tokens only): the same hidden
+    states at every real node, the same K/V written for them, as the pass that pads every row."""
+    rng = np.random.default_rng(3)
+    drafts = random_drafts(rng, 4, vocab=20)
+    cached = np.array([5, 0, 9, 3], np.int64)
+    batch = pack(rng.integers(3, 90, 4), cached, drafts)
+    assert not batch.valid.all()  # rows of unequal size
+    got = {}
+    for ragged in (False, True):
+        be = TorchBackend(llama, slots=4, capacity=64)
+        be.fold_attention, be.ragged = fold, ragged
+        torch.manual_seed(0)  # the same cached context in both
+        be.pool.kv.copy_(torch.randn_like(be.pool.kv))
+        hidden = be.hidden_states(slice(0, 4), batch)
+        got[ragged] = (hidden[torch.from_numpy(batch.valid)], be.pool.kv.clone())
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    kv_padded, kv_ragged = got[False][1], got[True][1]
+    for b in range(4):  # the real nodes' K/V; padding positions are not written by a ragged pass
+        at = slice(int(cached[b]), int(cached[b] + batch.sizes[b]))
+        torch.testing.assert_close(kv_ragged[:, :, b, :, at], kv_padded[:, :, b, :, at], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_passes_keep_greedy_identical_through_the_engine(llama, monkeypatch):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SSSD_RAGGED", flag)
+        eng = LLMEngine(llama, datastore=None, config=EngineConfig(max_model_len=256, budget=8))
+        assert eng.backend.ragged == (flag == "1")
+        runs[flag] = [o.token_ids for o in eng.generate(PROMPTS, params)]
+    plain = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=256))
+    assert runs["1"] == runs["0"] == [o.token_ids for o in plain.generate(PROMPTS, params)]

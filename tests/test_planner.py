@@ -38,6 +38,7 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
     from sssd.serving.planning.profile import store
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SSSD_PROFILE_DIR", raising=False)  # the default place: <cache>/profiles
     monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "1")
     config = EngineConfig(max_running=2, max_model_len=200, budget=None)
     gone, kept = tiny_model(tmp_path / "gone", "llama"), tiny_model(tmp_path / "kept", "llama")
@@ -62,14 +63,19 @@ def test_the_profile_cache_drops_the_measurements_of_model_folders_that_are_gone
 
 def test_engine_profiles_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SSSD_PROFILE_DIR", raising=False)  # the default place: <cache>/profiles
     monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "1")  # trust it even if the machine is busy now
     model = tiny_model(tmp_path / "m", "llama")
-    eng = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    eng = LLMEngine(
+        model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None, allocation="per-size")
+    )
     prof = eng.planner.profile
     assert prof.rows == [1, 2, 4] and all(s > 0 for row in prof.seconds for s in row)
     cached = list((tmp_path / "cache" / "profiles").glob("forward-*.json"))
     assert len(cached) == 1
-    again = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    again = LLMEngine(
+        model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None, allocation="per-size")
+    )
     assert again.planner.profile.seconds == prof.seconds  # read back, not re-measured
     # the model's choice is the brute-force best of every budget under this profile
     p = eng.planner
@@ -152,7 +158,9 @@ def test_adaptive_engine_output_is_unchanged(tmp_path, monkeypatch):
     prompts = [[5 + i, 9, 23, 7, 3, 40, 41, 42, 5 + i, 9, 23] for i in range(6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
-    spec = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    spec = LLMEngine(
+        model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None, allocation="per-size")
+    )
     # a profile where speculation pays, so that the planner explores whatever this machine measured
     spec.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05}, linear_profile(0.05, 0.0002), explore_steps=2)
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -167,7 +175,9 @@ def test_steps_where_nobody_drafts_count_as_plain_decoding(tmp_path, monkeypatch
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
     model = tiny_model(tmp_path / "m", "llama")
-    spec = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None))
+    spec = LLMEngine(
+        model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=None, allocation="per-size")
+    )
     spec.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05}, linear_profile(0.05, 0.0002), explore_steps=2)
     outs = spec.generate([[5, 9, 23, 7, 3]] * 2, SamplingParams(max_tokens=30, ignore_eos=True, speculate=False))
     assert all(len(o.token_ids) == 30 for o in outs)

@@ -48,9 +48,25 @@ class PoolStep:
     `fold` (default: on CUDA, unless SSSD_CUDA_ATTENTION=gqa) runs grouped-query heads folded
     along the queries (folded_attention)."""
 
-    def __init__(self, pool, rows: slice, positions: torch.Tensor, length: int, fold: bool | None = None):
+    def __init__(
+        self,
+        pool,
+        rows: slice,
+        positions: torch.Tensor,
+        length: int,
+        fold: bool | None = None,
+        ragged: torch.Tensor | None = None,
+    ):
         self.pool, self.rows, self.length = pool, rows, length
         self.index = pool.flat_index(rows, positions)  # the same for every layer
+        #: ragged passes: the model's layers ran over the N real tokens only (one sequence of N), and
+        #: `ragged` [N] says where each sits in the [B, T] layout (b * T + i); attention alone sees the
+        #: rows, and only the real tokens' K/V are written
+        self.ragged, self.shape = ragged, tuple(positions.shape)
+        if ragged is not None:
+            B, T = self.shape
+            heads = self.index.numel() // (B * T)
+            self.index = self.index.view(B, heads, T).transpose(0, 1).reshape(heads, B * T)[:, ragged].reshape(-1)
         self.fold = (pool.kv.device.type == "cuda" and cuda_mode() == "folded") if fold is None else fold
         self._biases: dict = {}  # (mask id, groups, dtype) -> the folded additive mask, shared by the layers
 
@@ -62,9 +78,27 @@ class PoolStep:
         return self._biases[key][1]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores this step's keys/values [B, H_kv, T, D]; returns the slots' K/V [B, H_kv, S, D]."""
+        """Stores this step's keys/values [B, H_kv, T, D] (ragged: [1, H_kv, N, D]); returns the
+        slots' K/V [B, H_kv, S, D]."""
         self.pool.write(layer, self.index, key, value)
         return self.pool.view(layer, self.rows, self.length)
+
+    def rows_of(self, query: torch.Tensor) -> torch.Tensor:
+        """Ragged queries [1, H, N, D] laid out in their rows [B, H, T, D] (padding: zeros)."""
+        if self.ragged is None:
+            return query
+        B, T = self.shape
+        H, D = query.shape[1], query.shape[3]
+        out = query.new_zeros((H, B * T, D))
+        out[:, self.ragged] = query[0]
+        return out.view(H, B, T, D).transpose(0, 1)
+
+    def tokens_of(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [B, H, T, D] back to the ragged tokens [1, H, N, D]."""
+        if self.ragged is None:
+            return out
+        B, H, T, D = out.shape
+        return out.transpose(0, 1).reshape(H, B * T, D)[:, self.ragged][None]
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -120,6 +154,7 @@ def pool_attention(
             f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)"
         )
     k, v = step.update(key, value, module.layer_idx)
+    query = step.rows_of(query) if hasattr(step, "rows_of") else query
     groups = query.shape[1] // k.shape[1]
     if softcap:  # logit soft-capping (Gemma 2) has no fused kernel: the plain computation
         k, v = _expand_kv(k, groups), _expand_kv(v, groups)
@@ -138,6 +173,8 @@ def pool_attention(
         out = torch.nn.functional.scaled_dot_product_attention(
             query, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=groups > 1
         )
+    if hasattr(step, "tokens_of"):
+        out = step.tokens_of(out)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -209,6 +209,9 @@ class TorchBackend(VerifierBackend):
         self._softcap = getattr(text, "final_logit_softcapping", None)
         #: grouped-query heads folded along the queries (attention.folded_attention); None: on CUDA
         self.fold_attention: bool | None = None
+        #: trees of unequal size run ragged: every linear layer over the real tokens only, so a pass
+        #: costs what its tokens cost, not rows x the largest tree (SSSD_RAGGED=0 pads every row)
+        self.ragged = os.environ.get("SSSD_RAGGED", "1").strip() not in ("0", "off", "false")
         self._head = self.model.get_output_embeddings()
         self.slots, self.capacity = slots, capacity
         shape = PoolShape(
@@ -286,12 +289,24 @@ class TorchBackend(VerifierBackend):
         visible() mask as it is."""
         dev, S = self.device, batch.kv_length
         sliding = self.info.layer_types is not None and self.info.sliding_window
+        ragged = None
         if isinstance(batch, TreeBatch):
-            tok, pos, writes, cached, valid, anc = _Sent.send(
-                dev, batch.tokens, batch.positions, batch.writes, batch.cached, batch.valid, batch.ancestors
+            B, T = batch.shape
+            # rows of unequal size: the layers run over the real tokens only (see PoolStep)
+            flat = np.flatnonzero(batch.valid.reshape(-1)) if self.ragged and not batch.valid.all() else None
+            tok, pos, writes, cached, valid, anc, *rest = _Sent.send(
+                dev,
+                batch.tokens,
+                batch.positions,
+                batch.writes,
+                batch.cached,
+                batch.valid,
+                batch.ancestors,
+                *([flat] if flat is not None else []),
             )
             full = tree_mask(cached, valid, anc, S)[:, None]
             kv_pos = kv_positions(writes, pos, S) if sliding else None
+            ragged = rest[0] if rest else None
         else:
             arrays = [batch.tokens, batch.positions, batch.writes, batch.visible()]
             tok, pos, writes, vis, *kv = _Sent.send(dev, *arrays, *([batch.kv_positions()] if sliding else []))
@@ -302,11 +317,17 @@ class TorchBackend(VerifierBackend):
             if sliding:
                 near = pos[:, :, None] - kv_pos[:, None, :] < self.info.sliding_window
                 mask["sliding_attention"] = full & near[:, None]
-        step = attention.PoolStep(self.pool, rows, writes, S, fold=self.fold_attention)
+        step = attention.PoolStep(self.pool, rows, writes, S, fold=self.fold_attention, ragged=ragged)
+        ids, at = (tok, pos) if ragged is None else (tok.reshape(-1)[ragged][None], pos.reshape(-1)[ragged][None])
         out = self.model.model(
-            input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step}
+            input_ids=ids, position_ids=at, attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step}
         )
-        return out.last_hidden_state
+        hidden = out.last_hidden_state
+        if ragged is None:
+            return hidden
+        full_rows = hidden.new_zeros((B * T, hidden.shape[-1]))
+        full_rows[ragged] = hidden[0]
+        return full_rows.view(B, T, -1)
 
     def hidden_states(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
         """Final hidden states [B, T, hidden] of one pass over slots `rows`, writing its K/V.

@@ -12,6 +12,8 @@ MAX_REQUEST_ID = 2**63 - 1
 DEFAULT_DRAFT = ("retrieval",)
 #: How drafting runs beside verification (EngineConfig.draft_mode).
 DRAFT_MODES = ("serial", "async")
+#: How an engine without a fixed budget shares verification (EngineConfig.allocation).
+ALLOCATIONS = ("batch", "per-size")
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,12 @@ class EngineConfig:
         max_waiting: queued requests beyond which add_request refuses (back-pressure).
         prefill_chunk: prompt tokens written per step across prefilling requests.
         speculate: draft and verify (False: plain decoding, same engine).
-        budget: fixed draft budget; None lets the planner choose per step
-            (planner.py), which falls back to no speculation where it would not pay.
+        budget: a fixed draft budget: every request drafts that many nodes with every listed
+            source, whatever the cost models say. None lets the engine decide each step: with
+            allocation "batch", one budget shared across the batch by expected acceptance
+            (planning/allocation.py); with "per-size", one budget per batch size
+            (planning/planner.py). Either spends nothing where nothing pays.
+        allocation: "batch" (the default) or "per-size" (see budget).
         dtype / device / threads: how the model runs.
         reprofile: measure the planner's forward-time profile again instead of using the cached one.
         datastore_residency: how the datastores' pages are kept in memory (sssd.datastore.RESIDENCY):
@@ -43,6 +49,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     speculate: bool = True
     budget: int | None = None
+    allocation: str = "batch"
     dtype: str = "float32"
     device: str | None = None
     threads: int | None = None
@@ -81,5 +88,7 @@ class EngineConfig:
             from sssd.serving.backends.devices import resolve
 
             resolve(self.device)
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):
             raise ValueError(f"budget must be in [0, {int(sssd._core.MAX_BUDGET)}], got {self.budget}")

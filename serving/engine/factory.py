@@ -86,6 +86,19 @@ def build_planner(engine):
     )
 
 
+def build_allocator(engine):
+    """The batch-wide allocation of the step's verification budget (planning/allocation.py), when
+    the engine plans its budget (no fixed budget) with allocation "batch"; None otherwise."""
+    planner = engine.planner
+    if engine.drafting is None or planner.fixed is not None or engine.config.allocation != "batch":
+        return None
+    from sssd.serving.planning.allocation import BatchAllocator
+
+    profile = planner.profile
+    draft_cost = (lambda batch: planner.draft_cost(batch, profile)) if planner.draft_cost is not None else None
+    return BatchAllocator(profile.times, max_budget=planner.max_budget, draft_cost=draft_cost)
+
+
 def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeline | None:
     """The engine's DraftPipeline (None: no draft source), with the calibration that fits; sets
     engine.drafter_configs / drafter_config / drafter_source to what it drafts with."""

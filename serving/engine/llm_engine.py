@@ -16,7 +16,7 @@ schedule, self-speculation's view of the KV cache, async drafting) use its publi
 
     requests (id -> Request), decoding(), emit(req, tokens), finish_request(req, reason, ...),
     retire(req), reopen_draft(req), drafting_call(fn, *args), generator, and the components
-    backend, drafting, planner, metrics, config, max_model_len.
+    backend, drafting, planner, allocator, metrics, config, max_model_len.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class LLMEngine:
         #: async drafting (serving.drafting.async_draft): the drafting thread and the measured choice of mode
         self.async_drafter, self.mode_chooser = factory.build_async(self.config, self.drafting)
         self.planner = factory.build_planner(self)
+        #: the step's verification budget shared across the batch (None: a fixed or per-size budget)
+        self.allocator = factory.build_allocator(self)
         self.scheduler = Scheduler(self.backend, self.config.max_running, self.config.prefill_chunk)
         self._ids = itertools.count()
         #: the random stream of sampled requests that bring no seed of their own
@@ -290,6 +292,8 @@ class LLMEngine:
                 self.drafting_call(self._close_draft, req.id)
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s: closing its drafter state failed (%s)", req.id, e)
+        if self.allocator is not None:
+            self.allocator.acceptance.forget(req.id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()

@@ -37,8 +37,8 @@ class StepPlan:
     """A decode step prepared on the CPU, ready to launch."""
 
     requests: list[Request]
-    budget: int  # the planner's budget for this batch size
-    budgets: np.ndarray  # [B] per request (0: not drafting)
+    budget: int  # the step's largest per-request budget (0: a plain step)
+    budgets: np.ndarray  # [B] draft nodes verified per request (0: not drafting)
     batch: TreeBatch
     greedy: np.ndarray  # [B] bool
     started: float  # perf_counter at prepare's start
@@ -48,6 +48,9 @@ class StepPlan:
     mode: str = "serial"  # how this step drafts the next one (async: a tree grows beside its forward pass)
     grown: bool = False  # the drafting thread grows the next step's trees beside this step's forward pass
     times: dict = field(default_factory=dict)  # perf_counter marks for the timeline (EngineMetrics.timeline)
+    allocation: Any = None  # the batch-wide allocation (planning.allocation.Allocation), if it decided
+    scores: list | None = None  # [B] the verified nodes' scores per row (what the allocation learns from)
+    cap: int = 0  # how deep every row was drafted before the allocation cut its tree
 
 
 @dataclass
@@ -73,7 +76,12 @@ class DecodeStep:
         eng = self.engine
         B = len(reqs)
         t0 = time.perf_counter()
-        budget = eng.planner.budget(B) if eng.drafting is not None else 0
+        allocator = eng.allocator if eng.drafting is not None else None
+        if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
+            budget = allocator.candidate_budget(B)
+        else:
+            budget = eng.planner.budget(B) if eng.drafting is not None else 0
+        cap = budget
         budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
         if not budgets.any():
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
@@ -87,6 +95,15 @@ class DecodeStep:
         else:
             drafts, use, proposals = self._draft(reqs, budgets)
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
+        allocation = scores = None
+        if allocator is not None and drafts is not None:
+            drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use)
+            budget = int(budgets.max()) if budgets.size else 0
+            if not budget:
+                drafts, use, proposals = None, None, None
+        elif allocator is not None:
+            allocation = allocator.allocate([r.id for r in reqs], greedy, [np.zeros(0, np.float32)] * B)
+            budgets[:] = 0
         trials = None
         if proposals is not None and any(c.dists is not None for cands in proposals for _, c in cands):
             trials = [None] * B
@@ -101,8 +118,23 @@ class DecodeStep:
             use,
         )
         plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
+        plan.allocation, plan.scores, plan.cap = allocation, scores, cap
         plan.times["prepared"] = time.perf_counter()
         return plan
+
+    def _allocate(self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray):
+        """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
+        its tree. Returns the cut drafts, the rows that keep a draft, nodes per row, the
+        allocation, and the verified nodes' scores per row."""
+        B = len(reqs)
+        off = drafts.offsets
+        empty = np.zeros(0, dtype=np.float32)
+        cands = [drafts.scores[off[b] : off[b + 1]] if use[b] else empty for b in range(B)]
+        allocation = self.engine.allocator.allocate([r.id for r in reqs], greedy, cands)
+        counts = np.where(use, allocation.counts, 0).astype(np.int32)
+        drafts = drafts.prefix(counts)
+        scores = [cands[b][: counts[b]] for b in range(B)]
+        return drafts, use & (counts > 0), counts, allocation, scores
 
     def grow(self, plan: StepPlan) -> None:
         """Async drafting: hands the drafting thread this step's roots, to grow the next step's trees
@@ -112,7 +144,9 @@ class DecodeStep:
             return
         from sssd.serving.drafting.async_draft import GROW
 
-        grow = min(GROW * plan.budget, int(sssd._core.MAX_BUDGET))  # drafter-side only: the step packs <= budget
+        grow = min(
+            GROW * max(plan.budget, plan.cap), int(sssd._core.MAX_BUDGET)
+        )  # drafter-side only: the step packs <= budget
         reqs = [r for r, b in zip(plan.requests, plan.budgets) if b > 0]
         asks = [
             DraftRequest(
@@ -237,6 +271,8 @@ class DecodeStep:
         t_forward = time.perf_counter() - plan.launched
         plan.times["forward"] = time.perf_counter()
         outcome = self._accept(plan, out)
+        if plan.scores is not None:
+            self._learn_acceptance(plan, outcome)
         plan.times["accepted"] = time.perf_counter()
         # async: the drafting thread must let go of the pipeline before requests stop or extend
         job = eng.async_drafter.wait() if plan.grown else None
@@ -288,6 +324,17 @@ class DecodeStep:
             node[s], count[s], bonus[s] = acc.node, acc.count, acc.bonus
             errors.update({int(s[j]): e for j, e in enumerate(errs) if e})
         return _Outcome(node, count, bonus, errors)
+
+    def _learn_acceptance(self, plan: StepPlan, outcome: _Outcome) -> None:
+        """Which verified nodes were accepted, per row, for the allocation's acceptance model."""
+        anc = plan.batch.ancestors
+        rows = [b for b in range(len(plan.requests)) if plan.budgets[b] > 0 and b not in outcome.errors]
+        if not rows:
+            return
+        accepted = [anc[b, outcome.node[b], 1 : 1 + int(plan.budgets[b])] for b in rows]
+        self.engine.allocator.acceptance.observe(
+            [plan.requests[b].id for b in rows], plan.greedy[rows], [plan.scores[b] for b in rows], accepted
+        )
 
     def _compact(self, batch: TreeBatch, outcome: _Outcome) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Moves every accepted path's K/V down to consecutive positions, in one move; returns each
@@ -375,7 +422,12 @@ class DecodeStep:
         eng = self.engine
         B = len(plan.requests)
         seconds = time.perf_counter() - plan.started
-        eng.planner.observe(B, plan.budget, seconds, n_emitted)
+        if plan.allocation is not None:
+            eng.allocator.observe(
+                B, int(plan.budgets.sum()), t_forward, seconds, n_emitted, plan.allocation.tokens_per_second
+            )
+        else:
+            eng.planner.observe(B, plan.budget, seconds, n_emitted)
         if eng.drafting is not None and plan.budget:  # what the deferral of costly sources measures
             eng.drafting.deferral.observe_step(
                 B, t_forward, {r.id: a for r, a in zip(plan.requests, accepted)}, seconds, n_emitted, verified

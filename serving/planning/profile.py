@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from sssd.files import write_atomic
-from sssd.paths import cache_dir
+from sssd.paths import profiles_dir
 
 #: Batch rows and tokens per row at which the forward time is profiled. Small token counts
 #: are dense: on a CPU, verifying 2-4 tokens is nearly free while 17 is not.
@@ -56,6 +56,21 @@ class ForwardProfile:
         # bilinear interpolation over the (log rows, log tokens) grid
         per_row = np.array([np.interp(t, lt, g) for g in grid])
         return float(np.exp(np.interp(r, lr, per_row)))
+
+    def times(self, rows: int, tokens: np.ndarray) -> np.ndarray:
+        """`time` at many tokens-per-row values (fractional: a ragged pass of N tokens over B rows
+        costs about a uniform pass of N / B tokens per row), vectorised."""
+        r = np.log(np.clip(rows, self.rows[0], self.rows[-1]))
+        t = np.log(np.clip(np.asarray(tokens, dtype=np.float64), self.tokens[0], self.tokens[-1]))
+        grid = np.log(np.asarray(self.seconds))
+        lr, lt = np.log(self.rows), np.log(self.tokens)
+        i = int(np.clip(np.searchsorted(lr, r) - 1, 0, max(len(lr) - 2, 0)))
+        lo = np.interp(t, lt, grid[i])
+        if len(lr) == 1:
+            return np.exp(lo)
+        hi = np.interp(t, lt, grid[i + 1])
+        w = (r - lr[i]) / (lr[i + 1] - lr[i])
+        return np.exp(lo + w * (hi - lo))
 
     def to_dict(self) -> dict:
         return {
@@ -239,7 +254,7 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
     """
     ident = dict(backend.identity(), machine=platform.machine(), cpu=cpu_model(), profile_version=PROFILE_VERSION)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = cache_dir() / "profiles" / f"forward-{key}.json"
+    path = profiles_dir() / f"forward-{key}.json"
     if path.is_file() and not force:
         try:
             prof = ForwardProfile.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,291 @@
+"""One verification budget per step, shared across the batch by expected acceptance.
+
+A step verifies B rows. Every row's draft tree is drafted as deep as any row could use it (cheap,
+on the CPU); then one selection over the whole batch decides which nodes are verified. A node's
+calibrated score is its path's probability under the drafter's calibration, so the top nodes of a
+tree (scores fall along every path) form a connected subtree with the root, and the nodes of a
+row come out of the drafter in non-increasing score order: a row's selection is a prefix of its
+tree. A node's worth is its probability of being accepted,
+
+    p = score ** gamma
+
+with gamma fitted online (AcceptanceModel): per decoding mode (greedy rows and sampled rows
+accept differently) over every verified node, and per request over its own verified nodes, shrunk
+toward its mode's. A request whose drafts keep failing gets gamma > 1 (its nodes are worth less)
+and stops taking budget; one that copies its prompt gets gamma < 1 and takes more.
+
+The step's expected tokens are B (one bonus token per row) plus the sum of the selected nodes'
+worth; its cost is the backend's forward time for B rows carrying N = B + k tokens in all (ragged
+passes cost their tokens, not rows x the largest tree), corrected by what the engine measures
+(the forward's ratio to the profile, the step's time beyond the forward). The selection is the k
+with the most expected tokens per second over all k (the top-k nodes by worth, batch-wide):
+
+    k* = argmax_k (B + sum of the k largest p) / cost(B, B + k)
+
+so a request may get 0 nodes and another 60, and a step where nothing pays verifies no drafts.
+For a cost that depends only on B and the total tokens this is the exact optimum over all
+per-row prefix sizes (tests/test_allocation.py checks it against brute force).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+#: Score bins (log-spaced) in which verified nodes are counted.
+EDGES = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 16)[:-1], [1.0 + 1e-6]])
+CENTERS = np.sqrt(np.maximum(EDGES[:-1], 3e-4) * EDGES[1:]).clip(3e-4, 1.0)
+GAMMA_RANGE = (1 / 16, 16.0)
+
+
+def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
+    """gamma [R] with sum_k n[r, k] c_k ** gamma = sum_k a[r, k] (expected accepted nodes equal to the
+    accepted ones) for counts n, accepted a [R, K] per score bin; bisection in log gamma, vectorised."""
+    n, a = np.atleast_2d(n), np.atleast_2d(a)
+    lo = np.full(n.shape[0], np.log(GAMMA_RANGE[0]))
+    hi = np.full(n.shape[0], np.log(GAMMA_RANGE[1]))
+    target = a.sum(axis=1)
+    logc = np.log(CENTERS)
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        expected = (n * np.exp(np.exp(mid)[:, None] * logc[None, :])).sum(axis=1)
+        high = expected > target  # too many expected: gamma must grow
+        lo = np.where(high, mid, lo)
+        hi = np.where(high, hi, mid)
+    return np.exp(0.5 * (lo + hi))
+
+
+class AcceptanceModel:
+    """P(a node is accepted) = score ** gamma, gamma per mode and per request (see the module
+    docstring). Counts decay (the workload drifts); a request's own counts are shrunk toward its
+    mode's by `prior_nodes` pseudo-nodes distributed as its mode's verified nodes are.
+
+    Args:
+        prior_nodes: pseudo-nodes of the mode's gamma in a request's fit.
+        decay: weight of the mode's past counts per observed step.
+    """
+
+    MODES = ("greedy", "sampled")
+
+    def __init__(self, prior_nodes: float = 16.0, decay: float = 0.995):
+        self.prior_nodes, self.decay = float(prior_nodes), float(decay)
+        K = len(CENTERS)
+        # the modes start at gamma 1 (the calibration's scores taken at their word): 64 pseudo-nodes
+        start = np.where(CENTERS >= 0.01, 1.0, 0.0)
+        start *= 64.0 / start.sum()
+        self.mode_n = {m: start.copy() for m in self.MODES}
+        self.mode_a = {m: start * CENTERS for m in self.MODES}
+        self.rows: dict[int, np.ndarray] = {}  # request id -> [2, K]: its verified nodes, accepted ones
+        self._gamma = {m: 1.0 for m in self.MODES}
+        self._row_gamma: dict[int, float] = {}
+        self.K = K
+
+    def mode_gamma(self, greedy: bool) -> float:
+        return self._gamma["greedy" if greedy else "sampled"]
+
+    def gammas(self, ids: Sequence[int], greedy: np.ndarray) -> np.ndarray:
+        """[B] each request's gamma (its mode's until it has verified nodes of its own)."""
+        return np.fromiter(
+            (self._row_gamma.get(int(i), self.mode_gamma(bool(g))) for i, g in zip(ids, greedy)),
+            dtype=np.float64,
+            count=len(ids),
+        )
+
+    def worth(self, scores: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
+        return np.power(np.clip(scores, 1e-6, 1.0), gamma)
+
+    def observe(self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray], accepted: list[np.ndarray]):
+        """One step's verified nodes: per row, their scores and whether each was accepted."""
+        if not ids:
+            return
+        for m in self.MODES:
+            self.mode_n[m] *= self.decay
+            self.mode_a[m] *= self.decay
+        fresh = []
+        for rid, g, s, acc in zip(ids, greedy, scores, accepted):
+            if s.size == 0:
+                continue
+            k = np.clip(np.searchsorted(EDGES, s, side="right") - 1, 0, self.K - 1)
+            n = np.bincount(k, minlength=self.K).astype(np.float64)
+            a = np.bincount(k, weights=acc.astype(np.float64), minlength=self.K)
+            m = "greedy" if g else "sampled"
+            self.mode_n[m] += n
+            self.mode_a[m] += a
+            row = self.rows.setdefault(int(rid), np.zeros((2, self.K)))
+            row[0] += n
+            row[1] += a
+            fresh.append((int(rid), m))
+        if not fresh:
+            return
+        for m in self.MODES:
+            self._gamma[m] = float(fit_gamma(self.mode_n[m], self.mode_a[m])[0])
+        # each request: its own counts plus prior_nodes pseudo-nodes spread as its mode's, at the mode's gamma
+        n = np.stack([self.rows[r][0] for r, _ in fresh])
+        a = np.stack([self.rows[r][1] for r, _ in fresh])
+        for j, (_, m) in enumerate(fresh):
+            share = self.mode_n[m] / max(self.mode_n[m].sum(), 1e-9) * self.prior_nodes
+            n[j] += share
+            a[j] += share * CENTERS ** self._gamma[m]
+        for (rid, _), g in zip(fresh, fit_gamma(n, a)):
+            self._row_gamma[rid] = float(g)
+
+    def forget(self, rid: int) -> None:
+        self.rows.pop(int(rid), None)
+        self._row_gamma.pop(int(rid), None)
+
+
+@dataclass
+class Allocation:
+    """What one step verifies: nodes per row, and what the allocator expects of it."""
+
+    counts: np.ndarray  # [B] draft nodes verified per row (a prefix of its tree)
+    expected_tokens: float  # B + the selected nodes' worth
+    seconds: float  # predicted step seconds
+    candidates: int  # nodes drafted over the batch
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.expected_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def select(values: list[np.ndarray], cost: Callable[[np.ndarray], np.ndarray], rows: int) -> tuple[np.ndarray, int]:
+    """The best batch-wide selection: per row, how many of its first nodes to verify.
+
+    Args:
+        values: per row, its nodes' worth in tree order (made non-increasing here: a node is worth
+            at most its predecessor, so a row's selection is a prefix).
+        cost: seconds of a step verifying k draft nodes in all, for an array of k.
+        rows: B (one bonus token each).
+    Returns: (counts [B], k) with k = counts.sum().
+    """
+    B = len(values)
+    flat = [np.minimum.accumulate(np.asarray(v, dtype=np.float64)) for v in values]
+    sizes = np.fromiter((v.size for v in flat), dtype=np.int64, count=B)
+    if not sizes.sum():
+        return np.zeros(B, dtype=np.int64), 0
+    allv = np.concatenate(flat)
+    owner = np.repeat(np.arange(B), sizes)
+    order = np.argsort(-allv, kind="stable")  # ties keep tree order: still a prefix per row
+    gained = np.concatenate([[0.0], np.cumsum(allv[order])])
+    ks = np.arange(gained.size)
+    rate = (rows + gained) / cost(ks)
+    k = int(np.argmax(rate))
+    counts = np.bincount(owner[order[:k]], minlength=B).astype(np.int64)
+    return counts, k
+
+
+class BatchAllocator:
+    """The step's budget, shared across the batch (see the module docstring).
+
+    Args:
+        time: (rows, tokens per row, as an array) -> seconds of a forward pass (a ForwardProfile's
+            time, measured or the roofline's).
+        max_budget: the most draft nodes one row may be given.
+        acceptance: the AcceptanceModel (a fresh one by default).
+        draft_cost: (rows) -> seconds costly draft sources add to a step that drafts (draft models).
+    """
+
+    DECAY = 0.9  # weight of the past in the measured corrections, per observed step
+
+    def __init__(
+        self,
+        time: Callable[[int, np.ndarray], np.ndarray],
+        max_budget: int = 64,
+        acceptance: AcceptanceModel | None = None,
+        draft_cost: Callable[[int], float] | None = None,
+    ):
+        self.time = time
+        self.max_budget = int(max_budget)
+        self.acceptance = acceptance or AcceptanceModel()
+        self.draft_cost = draft_cost
+        self._scale: dict[int, float] = {}  # batch bucket -> measured forward / profile
+        self._overhead: dict[int, float] = {}  # batch bucket -> step seconds beyond the forward
+        self._caps: dict[int, int] = {}
+        #: batch bucket -> [predicted tokens/s, measured tokens/s] (exponential means)
+        self.rates: dict[int, list[float]] = {}
+        self.steps = self.empty_steps = 0
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, int(batch) - 1).bit_length()
+
+    def forward_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
+        """Predicted forward seconds of B rows verifying `drafted` draft nodes in all."""
+        per_row = (batch + np.asarray(drafted, dtype=np.float64)) / batch
+        return self._scale.get(self.bucket(batch), 1.0) * np.asarray(self.time(batch, per_row), dtype=np.float64)
+
+    def step_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
+        drafted = np.asarray(drafted, dtype=np.float64)
+        out = self.forward_seconds(batch, drafted) + self._overhead.get(self.bucket(batch), 0.0)
+        if self.draft_cost is not None:
+            out = out + np.where(drafted > 0, self.draft_cost(batch), 0.0)
+        return out
+
+    def candidate_budget(self, batch: int) -> int:
+        """The most nodes any one row could be given at this batch size: the k at which even nodes
+        certain to be accepted stop paying (so rows need not be drafted deeper)."""
+        if batch not in self._caps:
+            ks = np.arange(self.max_budget * batch + 1)
+            rate = (batch + ks) / self.step_seconds(batch, ks)
+            self._caps[batch] = int(min(self.max_budget, np.argmax(rate)))
+        return self._caps[batch]
+
+    def allocate(self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray]) -> Allocation:
+        """Nodes to verify per row, from each row's candidate tree's scores (in tree order; an
+        empty array for a row that does not speculate)."""
+        B = len(ids)
+        gammas = self.acceptance.gammas(ids, greedy)
+        values = [self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
+        counts, k = select(values, lambda ks: self.step_seconds(B, ks), B)
+        expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
+        self.steps += 1
+        self.empty_steps += k == 0
+        return Allocation(
+            counts, expected, float(self.step_seconds(B, np.array([k]))[0]), int(sum(s.size for s in scores))
+        )
+
+    def observe(
+        self,
+        batch: int,
+        drafted: int,
+        forward_seconds: float,
+        step_seconds: float,
+        tokens: int,
+        predicted: float | None = None,
+    ) -> None:
+        """A step's measured costs (its forward pass and wall time, beside the profile) and rate."""
+        key = self.bucket(batch)
+        if forward_seconds > 0:
+            ratio = forward_seconds / float(np.asarray(self.time(batch, np.array([(batch + drafted) / batch])))[0])
+            old = self._scale.get(key)
+            self._scale[key] = ratio if old is None else self.DECAY * old + (1 - self.DECAY) * ratio
+            extra = max(step_seconds - forward_seconds, 0.0)
+            if self.draft_cost is not None and drafted:
+                extra = max(extra - self.draft_cost(batch), 0.0)
+            old = self._overhead.get(key)
+            self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
+            self._caps.pop(batch, None)
+        if predicted is not None and step_seconds > 0:
+            r = self.rates.setdefault(key, [predicted, tokens / step_seconds])
+            r[0] = 0.95 * r[0] + 0.05 * predicted
+            r[1] = 0.95 * r[1] + 0.05 * tokens / step_seconds
+
+    def report(self) -> dict:
+        """Per batch bucket: the forward's measured ratio to the profile, the step's overhead, and
+        predicted against measured tokens/s."""
+        return {
+            "steps": self.steps,
+            "steps_without_drafts": self.empty_steps,
+            "gamma": {m: round(g, 3) for m, g in self.acceptance._gamma.items()},
+            "buckets": {
+                k: {
+                    "forward_vs_profile": round(self._scale.get(k, 1.0), 3),
+                    "overhead_ms": round(1e3 * self._overhead.get(k, 0.0), 2),
+                    "predicted_tokens_per_s": round(self.rates[k][0], 2) if k in self.rates else None,
+                    "measured_tokens_per_s": round(self.rates[k][1], 2) if k in self.rates else None,
+                }
+                for k in sorted(set(self._scale) | set(self.rates))
+            },
+        }

@@ -1,0 +1,214 @@
+"""The step's verification budget shared across the batch by expected acceptance
+(serving/planning/allocation.py): the selection against brute force, the acceptance model's fit,
+and the engine with it: lossless, mixed greedy and sampled rows, requests that join and leave."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from test_planner import linear_profile
+from tiny_models import tiny_model
+
+from sssd.serving.engine import EngineConfig, LLMEngine
+from sssd.serving.engine.factory import build_allocator
+from sssd.serving.engine.params import SamplingParams
+from sssd.serving.planning.allocation import CENTERS, AcceptanceModel, BatchAllocator, fit_gamma, select
+from sssd.serving.planning.planner import BudgetPlanner
+from sssd.tree import DraftBatch
+
+
+def brute_force(values, cost, rows):
+    """The best rate over every per-row prefix size."""
+    best, arg = -1.0, None
+    for counts in itertools.product(*[range(len(v) + 1) for v in values]):
+        k = sum(counts)
+        gain = sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts))
+        rate = (rows + gain) / float(cost(np.array([k]))[0])
+        if rate > best + 1e-12:
+            best, arg = rate, counts
+    return best, arg
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_selection_is_the_best_of_every_per_row_prefix(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 4))
+    values = [np.sort(rng.random(int(rng.integers(0, 5))))[::-1] ** rng.uniform(0.5, 3) for _ in range(B)]
+    fixed, per, curve = rng.uniform(0.02, 0.1), rng.uniform(1e-4, 0.02), rng.uniform(1.0, 2.0)
+
+    def cost(ks):
+        return fixed + per * (B + np.asarray(ks, dtype=float)) ** curve
+
+    counts, k = select(values, cost, B)
+    best, _ = brute_force(values, cost, B)
+    gain = sum(float(v[:c].sum()) for v, c in zip(values, counts))
+    assert k == counts.sum() and all(0 <= c <= len(v) for c, v in zip(counts, values))
+    assert (B + gain) / float(cost(np.array([k]))[0]) == pytest.approx(best, rel=1e-9)
+
+
+def test_nothing_is_selected_where_nothing_pays_and_empty_trees_cost_nothing():
+    steep = lambda ks: 0.05 * (1 + np.asarray(ks, dtype=float))  # noqa: E731 - every token costs a whole pass
+    counts, k = select([np.array([0.9, 0.5]), np.array([0.3])], steep, 2)
+    assert k == 0 and not counts.any()
+    counts, k = select([np.zeros(0), np.zeros(0)], steep, 2)
+    assert k == 0 and counts.tolist() == [0, 0]
+    flat = lambda ks: np.full(np.shape(ks), 0.05)  # noqa: E731 - verifying is free: everything likely goes
+    counts, k = select([np.array([0.9, 0.5]), np.array([0.3, 0.0])], flat, 2)
+    assert counts.tolist() == [2, 1]
+
+
+def test_a_non_increasing_row_is_cut_as_a_prefix_even_if_a_later_node_scores_higher():
+    # a later node cannot be worth more than its predecessor: the cut stays a prefix
+    counts, _ = select([np.array([0.2, 0.9, 0.9])], lambda ks: 0.05 + 0.0101 * np.asarray(ks, float), 1)
+    assert counts.tolist() in ([0], [1], [2], [3])
+
+
+@pytest.mark.parametrize("gamma", [0.4, 1.0, 2.5])
+def test_gamma_is_recovered_from_bernoulli_outcomes(gamma):
+    rng = np.random.default_rng(1)
+    n = rng.integers(200, 2000, size=CENTERS.size).astype(float)
+    a = rng.binomial(n.astype(int), CENTERS**gamma).astype(float)
+    assert fit_gamma(n, a)[0] == pytest.approx(gamma, rel=0.1)
+
+
+def test_a_request_that_copies_earns_budget_and_one_that_fails_loses_it():
+    model = AcceptanceModel()
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        s = rng.uniform(0.05, 0.9, size=12).astype(np.float32)
+        model.observe([1, 2], np.array([True, True]), [s, s], [np.ones(12, bool), np.zeros(12, bool)])
+    g = model.gammas([1, 2, 3], np.array([True, True, True]))
+    assert g[0] < model.mode_gamma(True) < g[1] and g[2] == model.mode_gamma(True)
+    alloc = BatchAllocator(linear_profile(0.05, 0.002).times, acceptance=model)
+    scores = [np.linspace(0.9, 0.05, 16).astype(np.float32)] * 3
+    counts = alloc.allocate([1, 2, 3], np.array([True] * 3), scores).counts
+    assert counts[0] > counts[2] > counts[1] or (counts[0] > counts[1] and counts[1] == 0)
+    model.forget(1)
+    assert model.gammas([1], np.array([True]))[0] == model.mode_gamma(True)
+
+
+def test_sampled_rows_are_scored_by_their_own_mode():
+    model = AcceptanceModel()
+    s = np.full(50, 0.5, dtype=np.float32)
+    for _ in range(20):  # sampled rows accept half as often as greedy ones at the same scores
+        model.observe([1, 2], np.array([True, False]), [s, s], [np.arange(50) < 25, np.arange(50) < 12])
+    assert model.mode_gamma(False) > model.mode_gamma(True)
+    assert model.gammas([9], np.array([False]))[0] == model.mode_gamma(False)
+
+
+def test_the_candidate_budget_follows_what_verifying_costs():
+    cheap = BatchAllocator(linear_profile(0.05, 0.00001).times, max_budget=64)
+    # past some tokens a pass costs more than in proportion (a CPU's caches, attention): deep rows stop paying
+    dear = BatchAllocator(lambda rows, t: 0.05 + 2e-5 * (rows * np.asarray(t, dtype=float)) ** 2, max_budget=64)
+    assert cheap.candidate_budget(1) == 64 == cheap.candidate_budget(64)
+    assert dear.candidate_budget(64) < dear.candidate_budget(4) <= 64
+
+
+def test_measured_costs_correct_the_profile_and_predicted_rates_are_reported():
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    before = float(alloc.step_seconds(4, np.array([8]))[0])
+    for _ in range(50):
+        alloc.observe(4, 8, forward_seconds=2 * before, step_seconds=2 * before + 0.01, tokens=10, predicted=50.0)
+    after = float(alloc.step_seconds(4, np.array([8]))[0])
+    assert after == pytest.approx(2 * before + 0.01, rel=0.02)
+    rep = alloc.report()["buckets"][4]
+    assert rep["forward_vs_profile"] == pytest.approx(2.0, rel=0.02) and rep["predicted_tokens_per_s"] == 50.0
+
+
+def test_a_prefix_of_a_draft_batch_keeps_each_rows_first_nodes():
+    from test_engine_seams import random_drafts
+
+    rng = np.random.default_rng(5)
+    drafts = random_drafts(rng, 5, max_nodes=12)
+    counts = np.array([0, 3, 100, 1, 2])
+    cut = drafts.prefix(counts)
+    assert isinstance(cut, DraftBatch)
+    for b in range(5):
+        n = min(counts[b], drafts.sizes[b])
+        assert np.array_equal(cut[b].tokens, drafts[b].tokens[:n]) and np.array_equal(
+            cut[b].parents, drafts[b].parents[:n]
+        )
+
+
+# -- the engine with the allocation ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("alloc") / "llama", "llama")
+
+
+def engine(model, profile=None, **kw):
+    """An engine planning its budget under `profile` (one where speculation pays: this machine's
+    profile of a tiny model may not, and measuring it would take the test's time)."""
+    if profile is None:
+        return LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, **kw))
+    eng = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=64))
+    eng.config = dataclasses.replace(eng.config, budget=None)
+    eng.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 64: 2.3}, profile)
+    eng.allocator = build_allocator(eng)
+    return eng
+
+
+PROMPTS = [[5 + i, 9, 23, 7, 3, 40, 41, 42, 5 + i, 9, 23] for i in range(6)] + [[4] * 20, [7, 8, 9] * 5]
+
+
+def test_greedy_output_is_plain_output_and_rows_get_different_budgets(llama):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLMEngine(llama, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    spec = engine(llama, linear_profile(0.05, 0.0005))
+    assert spec.allocator is not None and spec.config.budget is None
+    outs = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    per_step = [b for o in outs for b in o.stats["budgets"]]
+    assert spec.allocator.steps > 0 and spec.allocator.acceptance.rows == {}  # finished requests forgotten
+    assert spec.metrics.accepted_by_source
+    assert len(set(per_step)) > 2  # not one budget for everyone
+
+
+def test_mixed_greedy_and_sampled_rows_join_and_leave_mid_flight(llama):
+    """Requests of every kind in one batch, some of one token, some greedy, some sampled with a seed:
+    each is what it is alone without speculation."""
+    kinds = [
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        SamplingParams(max_tokens=25, ignore_eos=True, temperature=0.9, seed=3),
+        SamplingParams(max_tokens=12, ignore_eos=True, speculate=False),
+        SamplingParams(max_tokens=35, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11),
+    ]
+    reqs = [(p, kinds[i % len(kinds)]) for i, p in enumerate(PROMPTS)]
+    plain = LLMEngine(llama, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
+    want = [plain.generate([p], k)[0].token_ids for p, k in reqs]
+    spec = engine(llama, linear_profile(0.05, 0.0005))
+    ids = [spec.add_request(p, k) for p, k in reqs[:3]]
+    got: dict = {}
+    pending = list(reqs[3:])
+    while spec.has_unfinished() or pending:
+        for o in spec.step():
+            if o.finished:
+                got[o.request_id] = o.token_ids
+        if pending and spec.step_count % 3 == 0:  # join mid-flight
+            p, k = pending.pop(0)
+            ids.append(spec.add_request(p, k))
+    assert [got[i] for i in ids] == want
+
+
+def test_a_cost_where_nothing_pays_makes_plain_steps(llama):
+    spec = engine(llama, linear_profile(0.001, 0.05))  # every verified token costs 50 passes' fixed part
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = spec.generate(PROMPTS[:3], params)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert set(spec.metrics.budgets) == {0}
+    assert spec.allocator.empty_steps == spec.allocator.steps > 0
+
+
+def test_an_explicit_budget_is_that_budget(llama):
+    spec = engine(llama, budget=6)
+    assert spec.allocator is None and spec.planner.fixed == 6
+    outs = spec.generate(PROMPTS[:2], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert set(spec.metrics.budgets) == {6}
+    assert len(outs) == 2
