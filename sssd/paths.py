@@ -2,7 +2,7 @@
 unpacked archives), the default datastore, and the packaged calibration, with
 whether it fits a model and datastore.
 
-``cache_dir`` and ``default_datastore_path`` are sssd.cache's, given here too: the
+``cache_dir``, ``default_datastore_path`` and ``profiles_dir`` are sssd.cache's, given here too: the
 library's lower modules take them from there, as this module reads calibration
 files (sssd.calibration_file) to tell whether the packaged one fits.
 """
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from sssd.cache import cache_dir, default_datastore_path
+from sssd.cache import cache_dir, default_datastore_path, profiles_dir
 from sssd.calibration_file import CalibrationFile
 
 log = logging.getLogger("sssd.calibration")
@@ -74,4 +74,11 @@ def packaged_calibration(model: str | os.PathLike, datastore: object = "default"
     return path
 
 
-__all__ = ["cache_dir", "default_datastore_path", "packaged_calibration", "packaged_calibration_file", "portable"]
+__all__ = [
+    "cache_dir",
+    "default_datastore_path",
+    "packaged_calibration",
+    "packaged_calibration_file",
+    "portable",
+    "profiles_dir",
+]

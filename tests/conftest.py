@@ -1,10 +1,14 @@
-"""Shared fixtures: small seeded corpora, synthetic and real."""
+"""Shared fixtures: small seeded corpora, synthetic and real; the suite's own profile folder."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,6 +60,37 @@ def word_corpus() -> tuple[np.ndarray, dict[str, int]]:
             out.extend(vocab.setdefault(w, len(vocab)) for w in words)
             out.append(SEP)
     return np.array(out, dtype=np.uint32), vocab
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_profile_dir(tmp_path_factory):
+    """The suite caches forward profiles and linear plans in a folder of its own
+    ($SSSD_PROFILE_DIR, subprocesses included): its temporary models' measurements would
+    otherwise pile up in the user's cache. The user's models, datastores and ground truth are
+    still used where they are. The user's measurements of real models (not temporary ones)
+    are copied in first, so that a test serving a pulled model does not measure it again."""
+    from sssd.cache import PROFILE_DIR_ENV, profiles_dir
+
+    ours = tmp_path_factory.mktemp("profiles")
+    _copy_real_measurements(profiles_dir(), ours)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PROFILE_DIR_ENV, str(ours))
+        yield ours
+
+
+def _copy_real_measurements(user: Path, ours: Path) -> None:
+    temporary = Path(tempfile.gettempdir()).resolve()
+    for f in sorted(user.glob("*.json")) if user.is_dir() else ():
+        if not f.name.startswith(("forward-", "linear-")):
+            continue
+        try:
+            meta = json.loads(f.read_text()).get("meta") or {}
+            model = meta.get("model") or (meta.get("identity") or {}).get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(model, str) and os.path.isabs(model) and os.path.exists(model):
+            if not Path(model).resolve().is_relative_to(temporary):
+                shutil.copy2(f, ours / f.name)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ def llama(tmp_path_factory):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SSSD_PROFILE_DIR", raising=False)  # the default place: <cache>/profiles
     return tmp_path / "cache"
 
 

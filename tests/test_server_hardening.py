@@ -423,6 +423,7 @@ def test_sigterm_drains_then_ends_open_streams_cleanly(model, tmp_path):
 
 def test_a_noisy_cached_profile_is_measured_again_and_records_its_conditions(model, tmp_path, monkeypatch):
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SSSD_PROFILE_DIR", raising=False)  # the default place: <cache>/profiles
     monkeypatch.setenv("SSSD_PROFILE_NOISY_SHARE", "0.8")  # 0.9 is noisy; this machine's real load is not
     cfg = dict(max_model_len=160, max_running=2)
     LLMEngine(model, datastore=None, config=EngineConfig(**cfg))

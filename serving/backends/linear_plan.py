@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sssd.paths import cache_dir
+from sssd.paths import profiles_dir
 
 #: Row counts at which the two forms are timed; a row count between two takes the lower one's choice.
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -274,7 +274,7 @@ def load_or_measure(
     shapes = sorted({tuple(m.weight.shape) for m in linears(model)})
     ident = dict(identity, shapes=shapes, machine=platform.machine(), cpu=cpu_model(), plan_version=PLAN_VERSION)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = cache_dir() / "profiles" / f"linear-{key}.json"
+    path = profiles_dir() / f"linear-{key}.json"
     if path.is_file() and not force:
         try:
             plan = LinearPlan.from_dict(json.loads(path.read_text()))
