@@ -215,3 +215,14 @@ def test_a_one_position_budget_still_drafts_losslessly(llama, plain_outputs, met
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain_outputs
     assert all(o.stats["drafted"] > 0 for o in outs)
+
+
+def test_an_explicit_budget_drafts_below_the_critical_context_too(llama, plain_outputs):
+    """budget=N means N: the sparse-KV cost model (which would draft nothing at these short
+    contexts) does not override it."""
+    eng = engine(llama, "self:streamingllm", gamma=None, budget=4)
+    src = eng.drafting.external[0]
+    assert src.fixed_budget and src.choose_gamma(1, 64, 4) == 4
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert sum(o.stats["drafted"] for o in outs) > 0

@@ -208,6 +208,8 @@ class SelfDrafter(DraftSource):
         # a budget beyond the verifier's slots holds nothing more: the full cache
         self.kv_budget = min(kv_budget, int(backend.capacity))
         self.gamma = None if gamma is None else int(gamma)
+        #: the engine's budget is explicit: draft chains of that length, whatever the cost model says
+        self.fixed_budget = False
         self.sinks, self.obs_window = max(0, int(sinks)), max(1, int(obs_window))
         self.window = window
         self.temperature = temperature
@@ -308,7 +310,7 @@ class SelfDrafter(DraftSource):
         cap = min(int(budget), self.gamma or MAX_GAMMA)
         if cap < 1:
             return 0
-        if self.gamma is not None:
+        if self.gamma is not None or self.fixed_budget:
             return cap
         return self.cost.best_gamma(batch, context, self.depth_rates(), cap)
 

@@ -94,9 +94,20 @@ def build_allocator(engine):
         return None
     from sssd.serving.planning.allocation import BatchAllocator
 
-    profile = planner.profile
-    draft_cost = (lambda batch: planner.draft_cost(batch, profile)) if planner.draft_cost is not None else None
-    return BatchAllocator(profile.times, max_budget=planner.max_budget, draft_cost=draft_cost)
+    return BatchAllocator(planner.profile.times, max_budget=planner.max_budget)
+
+
+def follow_fixed_budget(engine) -> None:
+    """An explicit budget means that budget: every listed source drafts at it, whatever the cost
+    models say (the sparse-KV source's chain length, the deferral of a draft model)."""
+    if engine.drafting is None or engine.planner.fixed is None:
+        return
+    from sssd.sources import AlwaysDraft
+
+    engine.drafting.deferral = AlwaysDraft()
+    for source in engine.drafting.external:
+        if hasattr(source, "fixed_budget"):
+            source.fixed_budget = True
 
 
 def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeline | None:

@@ -93,6 +93,7 @@ class LLMEngine:
         self.planner = factory.build_planner(self)
         #: the step's verification budget shared across the batch (None: a fixed or per-size budget)
         self.allocator = factory.build_allocator(self)
+        factory.follow_fixed_budget(self)
         self.scheduler = Scheduler(self.backend, self.config.max_running, self.config.prefill_chunk)
         self._ids = itertools.count()
         #: the random stream of sampled requests that bring no seed of their own

@@ -69,6 +69,7 @@ class DecodeStep:
 
     def __init__(self, engine):
         self.engine = engine
+        self._said_nothing_pays: set[int] = set()
 
     # -- prepare ---------------------------------------------------------------------------
     def prepare(self, reqs: list[Request]) -> StepPlan:
@@ -132,6 +133,17 @@ class DecodeStep:
         cands = [drafts.scores[off[b] : off[b + 1]] if use[b] else empty for b in range(B)]
         allocation = self.engine.allocator.allocate([r.id for r in reqs], greedy, cands)
         counts = np.where(use, allocation.counts, 0).astype(np.int32)
+        if not counts.any() and allocation.candidates:
+            key = self.engine.allocator.bucket(B)
+            if key not in self._said_nothing_pays:  # once per batch-size bucket, in words
+                self._said_nothing_pays.add(key)
+                log.info(
+                    "batch %d: no draft node is expected to pay for its verification (%d drafted; plain step "
+                    "predicted %.1f tok/s); drafts resume when one does. `--budget N` drafts N regardless",
+                    B,
+                    allocation.candidates,
+                    allocation.tokens_per_second,
+                )
         drafts = drafts.prefix(counts)
         scores = [cands[b][: counts[b]] for b in range(B)]
         return drafts, use & (counts > 0), counts, allocation, scores

@@ -184,7 +184,10 @@ class BatchAllocator:
             time, measured or the roofline's).
         max_budget: the most draft nodes one row may be given.
         acceptance: the AcceptanceModel (a fresh one by default).
-        draft_cost: (rows) -> seconds costly draft sources add to a step that drafts (draft models).
+
+    What drafting itself cost (a draft model's passes) is spent before the allocation runs, so it
+    is no part of the choice: whether a costly source drafts at all is the deferral's decision
+    (planning/deferral.py), and charging its seconds here would turn cheap retrieval off with it.
     """
 
     DECAY = 0.9  # weight of the past in the measured corrections, per observed step
@@ -194,12 +197,10 @@ class BatchAllocator:
         time: Callable[[int, np.ndarray], np.ndarray],
         max_budget: int = 64,
         acceptance: AcceptanceModel | None = None,
-        draft_cost: Callable[[int], float] | None = None,
     ):
         self.time = time
         self.max_budget = int(max_budget)
         self.acceptance = acceptance or AcceptanceModel()
-        self.draft_cost = draft_cost
         self._scale: dict[int, float] = {}  # batch bucket -> measured forward / profile
         self._overhead: dict[int, float] = {}  # batch bucket -> step seconds beyond the forward
         self._caps: dict[int, int] = {}
@@ -218,10 +219,7 @@ class BatchAllocator:
 
     def step_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
         drafted = np.asarray(drafted, dtype=np.float64)
-        out = self.forward_seconds(batch, drafted) + self._overhead.get(self.bucket(batch), 0.0)
-        if self.draft_cost is not None:
-            out = out + np.where(drafted > 0, self.draft_cost(batch), 0.0)
-        return out
+        return self.forward_seconds(batch, drafted) + self._overhead.get(self.bucket(batch), 0.0)
 
     def candidate_budget(self, batch: int) -> int:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
@@ -262,8 +260,6 @@ class BatchAllocator:
             old = self._scale.get(key)
             self._scale[key] = ratio if old is None else self.DECAY * old + (1 - self.DECAY) * ratio
             extra = max(step_seconds - forward_seconds, 0.0)
-            if self.draft_cost is not None and drafted:
-                extra = max(extra - self.draft_cost(batch), 0.0)
             old = self._overhead.get(key)
             self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
             self._caps.pop(batch, None)
