@@ -313,6 +313,7 @@ def _serve(model, tmp_path, *args):
     [
         (["--port", "99999"], "--port must be in 1-65535"),
         (["--max-running", "0"], "--max-running must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1, got 0 (leave it out to use the"),
         (["--budget", "100000"], "--budget must be in"),
         (["--request-timeout", "-1"], "--request-timeout"),
         (["--datastore", "/nonexistent/ds"], "no such datastore"),

@@ -38,6 +38,9 @@ class LLM:
         speculate: False is draft=[].
         budget: fixed draft budget; None lets the engine choose per batch size.
         **engine: other EngineConfig fields (max_running, max_model_len, dtype, device, ...).
+            ``threads`` (torch's, per stage with pipeline_stages) defaults to torch's own count,
+            capped at the cores this process may use (its CPU affinity and cgroup CPU quota:
+            sssd.cpus); more than those is cut to them with a warning, 0 or less is a ValueError.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class LLM:
         **engine: Any,
     ):
         draft = draft if speculate else []
+        engine = _fit_threads(engine)
         self.engine = LLMEngine(
             model,
             datastore=datastore,
@@ -83,3 +87,21 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+
+def _fit_threads(engine: dict) -> dict:
+    """EngineConfig's keywords with ``threads`` fitted to the cores this process may use: checked
+    and capped if given; if not, torch's own count capped (pipeline stages: 1 each, as before)."""
+    from sssd.cpus import threads_for
+
+    stages = engine.get("pipeline_stages", 1)
+    stages = stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else 1
+    requested = engine.get("threads")
+    if requested is None and stages > 1:
+        return engine
+    default = None
+    if requested is None:
+        import torch
+
+        default = torch.get_num_threads()
+    return dict(engine, threads=threads_for(requested, default=default, share=stages, what="threads"))

@@ -135,7 +135,20 @@ def setup(p: argparse.ArgumentParser):
         help="the model's weights and activations (float32: outputs identical to plain decoding)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the model's forward pass, per stage with --pipeline-stages (default: "
+        "torch's own count, which follows OMP_NUM_THREADS where set, capped at the cores this process "
+        "may use: its CPU affinity and cgroup CPU quota, %s here; with --pipeline-stages, 1 per stage). "
+        "More than the cores (per stage) is cut to them, with a warning. Batch drafting's OpenMP threads "
+        "follow the same count (torch and the drafter share one OpenMP runtime). OMP_WAIT_POLICY=passive "
+        "makes threads that wait at a barrier sleep instead of spinning: kinder to a busy neighbour, "
+        "slower on a quiet machine; set it before the server starts. SSSD_LINEAR_PLAN=off leaves the "
+        "linear layers to torch (no linear-plan measurement); SSSD_PROFILE_DIR moves the cached forward "
+        "profiles and linear plans out of <sssd cache>/profiles" % _cores_here(),
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -166,10 +179,19 @@ def validate(args: argparse.Namespace) -> None:
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
-    for name in ("max_running", "max_model_len", "max_waiting", "max_tokens", "threads", "max_body_bytes"):
+    for name in ("max_running", "max_model_len", "max_waiting", "max_tokens", "max_body_bytes"):
         positive(name)
     if getattr(args, "pipeline_stages", 1) < 1:
         raise ValueError(f"--pipeline-stages must be >= 1, got {args.pipeline_stages}")
+    if args.threads is not None:  # ValueError below 1; more than the cores this process may use: cut, one warning
+        from sssd.cpus import threads_for
+
+        args.threads = threads_for(
+            args.threads,
+            share=getattr(args, "pipeline_stages", 1),
+            what="--threads",
+            warn=lambda message: print(f"WARNING: {message}", file=sys.stderr, flush=True),
+        )
     if args.budget is not None and not 0 <= args.budget <= int(_core.MAX_BUDGET):
         raise ValueError(f"--budget must be in 0-{int(_core.MAX_BUDGET)}, got {args.budget}")
     if not args.request_timeout > 0:
@@ -218,6 +240,15 @@ def validate(args: argparse.Namespace) -> None:
             f"machine's disk (SECURITY.md)"
         )
     _check_bindable(args.host, args.port)
+
+
+def _cores_here() -> str:
+    try:
+        from sssd.cpus import available_cpus
+
+        return str(available_cpus())
+    except Exception:  # the help never fails on an odd /sys
+        return "?"
 
 
 def _draft_model(spec: str) -> None:
@@ -300,6 +331,13 @@ def _serve(args: argparse.Namespace) -> int:
 
         ensure_default_datastore()
     drafter = None if args.drafter == "default" else args.drafter  # None: the packaged calibration where it fits
+    threads = args.threads
+    if threads is None and getattr(args, "pipeline_stages", 1) == 1:  # stages: 1 thread each unless told
+        import torch
+
+        from sssd.cpus import threads_for
+
+        threads = threads_for(None, default=torch.get_num_threads())  # capped at affinity and cgroup quota
     config = EngineConfig(
         max_running=args.max_running,
         max_model_len=args.max_model_len,
@@ -308,7 +346,7 @@ def _serve(args: argparse.Namespace) -> int:
         budget=args.budget,
         dtype=args.dtype,
         device=args.device,
-        threads=args.threads,
+        threads=threads,
         reprofile=args.reprofile,
         datastore_residency=args.datastore_residency,
         draft_mode=args.draft_mode,

@@ -1,0 +1,186 @@
+"""How many CPU cores this process may use, and a thread count that fits them.
+
+A process is often given fewer cores than the machine has: an affinity mask
+(``taskset``, ``docker --cpuset-cpus``, a batch scheduler) or a cgroup CPU
+quota (``docker --cpus``, Kubernetes CPU limits, systemd ``CPUQuota``).
+torch's default thread count follows the machine's physical cores and sees
+neither. Threads beyond the cores they may run on do not add work: OpenMP's
+threads meet at a barrier after every parallel region, and a thread that
+waits for a core makes every other thread wait for it, dozens of times per
+layer (10-100x slower passes, not a few percent).
+
+``available_cpus`` is the smaller of the affinity mask and the quota, at
+least 1; ``threads_for`` checks a requested thread count against it. No torch
+here: the command line checks ``--threads`` before anything loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+#: Where the cgroup file systems are mounted (v2: the unified hierarchy; v1: one folder per controller).
+CGROUP_ROOT = "/sys/fs/cgroup"
+#: This process's cgroup in each hierarchy ("0::/path" for v2, "N:cpu,cpuacct:/path" for v1).
+PROC_CGROUP = "/proc/self/cgroup"
+#: The folders v1 mounts the cpu controller at (distributions differ).
+V1_CPU_FOLDERS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+
+log = logging.getLogger("sssd.cpus")
+
+
+def affinity_cpus() -> int:
+    """The CPUs this process may be scheduled on (its affinity mask; all CPUs where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def cgroup_quota(root: str | os.PathLike = CGROUP_ROOT, proc_cgroup: str | os.PathLike = PROC_CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup, in cores (1.5: one and a half cores' time per
+    period), or None where there is none.
+
+    The tightest limit over the process's cgroup and its ancestors, cgroup v2 (``cpu.max``:
+    "QUOTA PERIOD" or "max PERIOD") or v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, -1 for
+    none). Files that are missing or unreadable count as no limit.
+
+    Args:
+        root: where the cgroup file systems are mounted (tests give a folder of their own).
+        proc_cgroup: the file that names this process's cgroups.
+    """
+    root = Path(root)
+    v2_path, v1_path = "/", "/"
+    try:
+        for line in Path(proc_cgroup).read_text().splitlines():
+            parts = line.split(":", 2)
+            if len(parts) != 3:
+                continue
+            if parts[0] == "0" and parts[1] == "":
+                v2_path = parts[2]
+            elif "cpu" in parts[1].split(","):
+                v1_path = parts[2]
+    except OSError:
+        pass
+    limits = [q for d in _up(root, v2_path) if (q := _v2_quota(d / "cpu.max")) is not None]
+    for folder in V1_CPU_FOLDERS:
+        if (root / folder).is_dir():
+            limits += [q for d in _up(root / folder, v1_path) if (q := _v1_quota(d)) is not None]
+            break
+    return min(limits) if limits else None
+
+
+def _up(base: Path, path: str) -> list[Path]:
+    """The process's cgroup folder under ``base`` and each folder above it, up to ``base``. In a
+    container that sees the host's cgroup path but mounts only its own cgroup, the path is not
+    there and only ``base`` (the container's own cgroup) is read."""
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    return [base.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
+
+
+def _v2_quota(file: Path) -> float | None:
+    try:
+        fields = file.read_text().split()
+    except OSError:
+        return None
+    if len(fields) < 1 or fields[0] == "max":
+        return None
+    try:
+        quota = float(fields[0])
+        period = float(fields[1]) if len(fields) > 1 else 100_000.0
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = float((folder / "cpu.cfs_quota_us").read_text().strip())
+        period = float((folder / "cpu.cfs_period_us").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def available_cpus(
+    root: str | os.PathLike = CGROUP_ROOT, proc_cgroup: str | os.PathLike = PROC_CGROUP, affinity: int | None = None
+) -> int:
+    """The cores this process may use: its affinity mask, capped by its cgroup CPU quota rounded
+    down (half a core's quota is 1: a thread cannot run on less), at least 1.
+
+    Args:
+        root / proc_cgroup: as for cgroup_quota (tests give files of their own).
+        affinity: the affinity mask's size (default: this process's).
+    """
+    cores = affinity_cpus() if affinity is None else max(1, int(affinity))
+    quota = cgroup_quota(root, proc_cgroup)
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return max(1, cores)
+
+
+def describe(root: str | os.PathLike = CGROUP_ROOT, proc_cgroup: str | os.PathLike = PROC_CGROUP) -> str:
+    """Where the available count comes from, in words: "2 cores (affinity: 2 CPUs; cgroup quota: none)"."""
+    quota = cgroup_quota(root, proc_cgroup)
+    n = available_cpus(root, proc_cgroup)
+    return (
+        f"{n} core{'s' if n != 1 else ''} (CPU affinity: {affinity_cpus()} of {os.cpu_count() or '?'} CPUs; "
+        f"cgroup CPU quota: {'none' if quota is None else f'{quota:g} cores'})"
+    )
+
+
+def threads_for(
+    requested: int | None,
+    *,
+    default: int | None = None,
+    available: int | None = None,
+    share: int = 1,
+    what: str = "threads",
+    warn: Callable[[str], None] | None = None,
+) -> int:
+    """A thread count that fits the cores this process may use.
+
+    Args:
+        requested: what the user asked for; None takes ``default`` (or all the available cores),
+            capped at the available cores without a word.
+        default: the count to use when none is requested (e.g. torch's own default), before the cap.
+        available: the cores this process may use (default: available_cpus()).
+        share: how many processes share them, each with this many threads (pipeline stages):
+            each may use the available cores // share, at least 1.
+        what: how the message names the setting ("--threads").
+        warn: where the one-line clamp warning goes (default: the "sssd.cpus" logger).
+
+    Returns:
+        ``requested``, or the available cores (per share) if it asks for more, with one warning
+        saying what was asked for and what is available.
+
+    Raises:
+        ValueError: ``requested`` is not a whole number >= 1 (the message says how to get the default).
+    """
+    cores = available_cpus() if available is None else max(1, int(available))
+    each = max(1, cores // max(1, share))
+    per = " per pipeline stage" if share > 1 else ""
+    if requested is None:
+        return each if default is None else max(1, min(int(default), each))
+    try:
+        if isinstance(requested, bool):
+            raise TypeError
+        n = operator.index(requested)
+    except TypeError:
+        raise ValueError(f"{what} must be a whole number of threads, got {requested!r}") from None
+    if n < 1:
+        raise ValueError(
+            f"{what} must be >= 1, got {n} (leave it out to use the {each} core{'s' if each != 1 else ''}{per} "
+            f"this process may use)"
+        )
+    if n > each:
+        (warn or log.warning)(
+            f"{what} {n}{per}: this process may use {cores} core{'s' if cores != 1 else ''} (CPU affinity and "
+            f"cgroup quota){f', {each} per stage over {share} stages' if share > 1 else ''}; using {each} "
+            f"thread{'s' if each != 1 else ''}{per} (threads beyond the cores wait on each other)"
+        )
+        return each
+    return n
