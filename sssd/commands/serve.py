@@ -358,14 +358,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, datastore=datastores if speculate else None, drafter=drafter, config=config, draft=draft
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
-    planner = engine.planner
-    if not speculate:
-        mode = "off"
-    elif planner.fixed is not None:
-        mode = f"budget {planner.fixed}"
-    else:
-        rows = planner.table((1, 4, 16, args.max_running))
-        mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
+    mode = plan_summary(engine.planner, speculate, (1, 4, 16, args.max_running))
     print(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.backend.device}, {args.dtype}); "
         f"speculation: {mode}",
@@ -410,6 +403,56 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def plan_summary(planner, speculate: bool, batches, log=None) -> str:
+    """The start-up line's account of speculation ("budget per batch size: B=1->3, ..."). Where the
+    planned budgets turn speculation off at every batch size, one WARNING line (``log``, default
+    the "sssd.serve" logger) says why, in the planner's own numbers, and how to override it."""
+    import logging
+
+    if not speculate:
+        return "off"
+    if planner.fixed is not None:
+        return f"budget {planner.fixed}"
+    rows = planner.table(tuple(dict.fromkeys(batches)))
+    mode = "budget per batch size: " + ", ".join(f"B={r['batch']}->{r['budget']}" for r in rows)
+    if any(r["budget"] for r in rows):
+        return mode
+    (log or logging.getLogger("sssd.serve").warning)(_why_off(planner, rows))
+    return mode + " (off)"
+
+
+def _why_off(planner, rows: list[dict]) -> str:
+    """Why the planner's model chose no speculation at any batch size, in one line."""
+    first = rows[0]
+    B, rates = first["batch"], first["tokens_per_s"]
+    drafted = {b: r for b, r in rates.items() if b > 0}
+    why = "no budget's expected tokens per second beats plain decoding's"
+    if drafted and planner.profile is not None:
+        b = max(drafted, key=drafted.get)
+        plain_ms, draft_ms = planner.profile.time(B, 1) * 1e3, planner.profile.time(B, b + 1) * 1e3
+        model_ms = planner.draft_cost(B, planner.profile) * 1e3 if planner.draft_cost is not None else 0.0
+        by_model = f" plus {model_ms:.1f} ms of the draft model's passes" if model_ms else ""
+        why = (
+            f"at batch size {B}, a step verifying budget {b}'s tree ({b + 1} tokens per row) costs "
+            f"{draft_ms:.1f} ms{by_model} against {plain_ms:.1f} ms for one token, more than the "
+            f"{planner.mat[b]:.2f} tokens per step it is expected to accept earn back ({drafted[b]:.1f} "
+            f"against {rates[0]:.1f} tokens/s plain)"
+        )
+    meta = getattr(planner.profile, "meta", None) or {}
+    share = (meta.get("conditions") or {}).get("other_processes_cpu_share")
+    busy = ""
+    if isinstance(share, (int, float)) and share > 0.1:
+        busy = (
+            f"; the forward profile was measured while other processes used {share:.0%} of the CPU, so the "
+            f"costs may be inflated: `--reprofile` on a quiet machine measures it again"
+        )
+    return (
+        f"speculation is off at every batch size: the planner expects no draft budget to pay on this "
+        f"machine: {why}{busy}. To speculate anyway, give a fixed budget: `--budget N` (e.g. --budget 4); "
+        f"`--no-speculate` serves plainly without this warning"
+    )
 
 
 def _graceful_server_class():
