@@ -21,7 +21,12 @@ from sssd.cli import main
 from sssd.datastore import DATA_FILES
 from sssd.datastore_builder import build as build_mod
 from sssd.files import file_sha256
-from sssd.tokenizer import load_tokenizer
+from sssd.model_registry import MODELS, models_dir
+from sssd.tokenizer import check_compatible, load_tokenizer
+
+#: The user's models folder, read before the fixtures point the cache elsewhere: a registered
+#: model's tokenizer comes from there (pulled by the suite's setup, or by the build on first use).
+USER_MODELS = models_dir()
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +163,29 @@ def test_stdin_and_several_inputs(tmp_path, tok, capsys, monkeypatch):
         ("text", "x.txt"),
         ("text", "y.md"),
     ]
+
+
+def test_a_registered_model_name_gives_its_tokenizer(tmp_path, capsys, monkeypatch):
+    """`-t smollm2-135m-instruct` as --model takes it elsewhere (it used to fail: "no such file")."""
+    monkeypatch.setenv("SSSD_MODELS_DIR", str(USER_MODELS))
+    docs = ["The sea is calm tonight.", "The tide is full, the moon lies fair upon the straits."]
+    (tmp_path / "notes.txt").write_text("\n\n".join(docs) + "\n")
+    args = ["build", tmp_path / "notes.txt", "--text-split", "paragraph", "-o", tmp_path / "ds", "-q"]
+    rc, out, err = cli(capsys, *args, "-t", "smollm2-135m-instruct")
+    assert rc == 0, err
+    folder = USER_MODELS / "smollm2-135m-instruct"
+    ds = sssd.Datastore.open(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.tokens, expected_stream(folder / "tokenizer.json", docs))
+    assert ds.manifest["tokenizer"]["spec"] == str(folder)  # the same tokenizer as the model's own folder
+    check_compatible(ds, folder)  # drafts for the registered model: its tokenizer, not another
+
+    rc, _, err = cli(capsys, *args, "--overwrite", "-t", "no-such-model")
+    assert rc == 1
+    assert "argument -t/--tokenizer: no-such-model: no such file or directory, and not a registered model" in err
+    assert all(name in err for name in MODELS) and err.count("\n") == 1
+    rc, _, err = cli(capsys, *args, "--overwrite", "-t", str(tmp_path / "no-such.json"))
+    assert rc == 1 and f"{tmp_path / 'no-such.json'}: no such file or directory" in err
+    assert "not a registered model" not in err  # a path is a path: no registry in the message
 
 
 def test_dedup_drops_exact_duplicates(tmp_path, tok, capsys):

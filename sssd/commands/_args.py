@@ -97,6 +97,25 @@ def file_or_folder(text: str) -> str:
     return text
 
 
+def tokenizer(text: str) -> str:
+    """A tokenizer: an existing tokenizer.json, model folder or .gguf file, or a registered model
+    name (`sssd models list`: its tokenizer; the model is pulled on first use, like --model)."""
+    if not text.strip():
+        raise Error("empty tokenizer path")
+    if Path(text).expanduser().exists() or os.sep in text or text.startswith(("~", ".")):
+        return file_or_folder(text)  # a path: it must be there
+    from sssd.model_registry import MODELS, get_spec
+
+    try:
+        get_spec(text)
+    except ValueError:
+        raise Error(
+            f"{text}: no such file or directory, and not a registered model "
+            f"({', '.join(MODELS)}; see `sssd models list`)"
+        ) from None
+    return text
+
+
 def datastore(*names: str) -> Callable[[str], str]:
     """'default' (or another of ``names``) or an existing datastore directory or archive file."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from sssd.cli import command
 
@@ -12,6 +13,7 @@ examples:
   sssd build --default
   sssd build chats.json -o ds --tokenizer model/tokenizer.json --roles assistant
   sssd build data.jsonl --text-field prompt,response -o ds -t model/
+  sssd build notes.md --text-split paragraph -o ds -t smollm2-135m-instruct
   sssd build shards/*.parquet --messages-field messages -o ds -t model.gguf --compress
   cat notes.txt | sssd build - --text-split paragraph -o ds -t tokenizer.json
 """
@@ -46,8 +48,9 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument(
         "-t",
         "--tokenizer",
-        type=_args.file_or_folder,
-        help="a tokenizer.json, a local Hugging Face model folder, or a .gguf file",
+        type=_args.tokenizer,
+        help="a tokenizer.json, a local Hugging Face model folder, a .gguf file, or a registered model "
+        "name (`sssd models list`; its tokenizer, the model pulled on first use as for --model)",
     )
     p.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     p.add_argument(
@@ -161,11 +164,18 @@ def setup(p: argparse.ArgumentParser):
             if not args.output:
                 raise ValueError("give the datastore directory to create with -o/--output")
             if not args.tokenizer:
-                raise ValueError("give the tokenizer with -t/--tokenizer (tokenizer.json, model folder or .gguf)")
+                raise ValueError(
+                    "give the tokenizer with -t/--tokenizer (tokenizer.json, model folder, .gguf or a registered model)"
+                )
+            tokenizer = args.tokenizer
+            if not Path(tokenizer).expanduser().exists():  # a registered model name (checked as parsed)
+                from sssd.models import resolve_model
+
+                tokenizer = str(resolve_model(tokenizer, log=log))  # its folder, pulled on first use
             cfg = BuildConfig(
                 inputs=args.inputs,
                 output=args.output,
-                tokenizer=args.tokenizer,
+                tokenizer=tokenizer,
                 format=args.format,
                 fields=fields,
                 holdout_every=args.holdout_every,
