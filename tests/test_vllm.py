@@ -206,3 +206,57 @@ def test_vllm_counts_sssd_accepted_tokens(vllm_report):
     assert sum(per_pos) == sd["spec_decode_num_accepted_tokens"]
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepting position i needs i-1
     print(f"\nSSSD in vLLM {vllm_report['vllm']}: {sd}")
+
+
+def test_rows_that_accept_earn_longer_chains_than_rows_that_do_not(monkeypatch):
+    """vLLM's side simulated: row 0 accepts every chain it is sent, row 1 none; the proposer learns
+    each row's acceptance from its next context and sends chains by expected tokens."""
+    prop = _proposer(monkeypatch, k=8, min_score=0.0)
+    pattern = list(range(100, 130))
+    ctx = [pattern * 3, pattern * 3]
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        ids, n = _rows(ctx, width=1024)
+        out = prop.propose([[0], [0]], n, ids)
+        ctx[0] = ctx[0] + out[0] + [pattern[(len(ctx[0]) + len(out[0])) % 30]]  # all accepted, then the bonus
+        ctx[1] = ctx[1] + [int(rng.integers(500, 900))]  # the first token differs: nothing accepted
+    g = prop.acceptance.gammas([0, 1], np.array([True, True]))
+    assert g[0] < g[1]
+    ids, n = _rows(ctx, width=1024)
+    out = prop.propose([[0], [0]], n, ids)
+    assert len(out[0]) > len(out[1])
+
+
+def test_the_table_rule_is_still_there(monkeypatch):
+    monkeypatch.setenv("SSSD_VLLM_CHAINS", "table")
+    prop = _proposer(monkeypatch, k=8, min_score=0.0)
+    ids, n = _rows([REPEAT] * 8)
+    out = prop.propose([[0]] * 8, n, ids)
+    assert all(len(c) <= chain_length(8, 8) for c in out) and any(out)
+    monkeypatch.setenv("SSSD_VLLM_CHAINS", "tree")
+    with pytest.raises(ValueError, match="SSSD_VLLM_CHAINS"):
+        _proposer(monkeypatch)
+
+
+def test_a_failing_proposer_sends_no_drafts_and_vllm_goes_on(monkeypatch, caplog):
+    prop = _proposer(monkeypatch, k=4)
+    ids, n = _rows([REPEAT])
+    with caplog.at_level("ERROR", logger="sssd.vllm"):
+        bad = prop.propose([[0], [0]], np.array([len(REPEAT), 5]), ids)  # a row the token array lacks
+        again = prop.propose([[0], [0]], np.array([len(REPEAT), 5]), ids)
+    assert bad == [[], []] == again
+    assert caplog.text.count("the SSSD proposer failed") == 1
+    assert prop.propose([[0]], n, ids)[0] == [8, 9, 10, 11]  # and it drafts again once rows make sense
+
+
+def test_the_step_cost_is_fitted_from_measured_steps():
+    from sssd.serving.planning.allocation import MeasuredStepCost
+
+    cost = MeasuredStepCost()
+    assert cost(np.array([0, 64])).tolist() == pytest.approx([1.0, 2.0])  # the prior, relative
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        x = int(rng.integers(1, 200))
+        cost.observe(x, 0.02 + 0.001 * x)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.02, rel=0.05) and b == pytest.approx(0.001, rel=0.05)

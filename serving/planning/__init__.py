@@ -3,4 +3,5 @@
 profile.py    forward time by (rows, tokens per row), measured once per model and machine
 roofline.py   the same from a hardware model (named GPUs), and its fit to a measurement
 planner.py    the draft budget per batch size from the profile and the calibrated MAT
+allocation.py one budget per step shared across the batch by expected acceptance
 """

@@ -285,3 +285,50 @@ class BatchAllocator:
                 for k in sorted(set(self._scale) | set(self.rates))
             },
         }
+
+
+class MeasuredStepCost:
+    """Seconds of a step as a + b x (tokens it verifies), fitted from measured steps (exponentially
+    forgotten least squares, shrunk toward a prior): the cost model where no forward profile is at
+    hand, as inside vLLM, whose forward the proposer only sees as the time between its calls.
+
+    Args:
+        per_token: the prior's b / a: what one more verified token costs in passes (1/64: on an
+            accelerator a pass of 64 tokens costs about two of one).
+        prior_steps: weight of the prior, in steps.
+    """
+
+    def __init__(self, per_token: float = 1 / 64, prior_steps: float = 4.0, decay: float = 0.98):
+        self.per_token, self.prior_steps, self.decay = float(per_token), float(prior_steps), float(decay)
+        self.s = np.zeros(5)  # decayed sums: n, x, y, xx, xy
+        self.steps = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if not (seconds > 0 and np.isfinite(seconds)):
+            return
+        x = float(tokens)
+        self.s = self.decay * self.s + np.array([1.0, x, seconds, x * x, x * seconds])
+        self.steps += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        n, sx, sy, sxx, sxy = self.s
+        if n <= 0:
+            return 1.0, self.per_token  # relative units until a step is seen: only ratios matter
+        mx, my = sx / n, sy / n
+        a0 = my / (1.0 + self.per_token * mx)  # the prior through the mean step, with the prior's slope
+        w = self.prior_steps
+        # least squares of y = a + b x with w pseudo-steps of the prior at x = mx and x = mx + 64
+        xs = np.array([mx, mx + 64.0])
+        ys = a0 * (1.0 + self.per_token * xs)
+        N = n + w
+        Sx, Sy = sx + 0.5 * w * xs.sum(), sy + 0.5 * w * ys.sum()
+        Sxx, Sxy = sxx + 0.5 * w * (xs**2).sum(), sxy + 0.5 * w * (xs * ys).sum()
+        den = N * Sxx - Sx * Sx
+        b = (N * Sxy - Sx * Sy) / den if den > 0 else a0 * self.per_token
+        b = max(b, 0.0)
+        a = max((Sy - b * Sx) / N, 1e-9)
+        return a, b
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        a, b = self.coefficients()
+        return a + b * np.asarray(tokens, dtype=np.float64)
