@@ -88,6 +88,12 @@ class EngineConfig:
             from sssd.serving.backends.devices import resolve
 
             resolve(self.device)
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"threads must be an int >= 1, got {self.threads!r} (None: the cores this process may use)"
+            )
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):

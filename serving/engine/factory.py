@@ -25,7 +25,10 @@ def log(msg: str) -> None:
 
 def build_backend(path: Path, config: EngineConfig):
     """The VerifierBackend of the model folder: one process, or `pipeline_stages` of them."""
+    import torch
     from transformers import AutoConfig
+
+    from sssd.cpus import threads_for
 
     positions = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
     capacity = min(config.max_model_len, int(positions)) if positions else config.max_model_len
@@ -39,7 +42,8 @@ def build_backend(path: Path, config: EngineConfig):
             capacity=capacity,
             dtype=config.dtype,
             device=config.device,
-            threads=config.threads or 1,
+            # checked and cut to the cores per stage; 1 each unless told, as before
+            threads=threads_for(config.threads, share=config.pipeline_stages) if config.threads else 1,
         )
     from sssd.serving.backends.torch_backend import TorchBackend
 
@@ -49,7 +53,8 @@ def build_backend(path: Path, config: EngineConfig):
         capacity=capacity,
         dtype=config.dtype,
         device=config.device,
-        threads=config.threads,
+        # torch's own count (OMP_NUM_THREADS where set) capped at the affinity mask and cgroup quota
+        threads=threads_for(config.threads, default=torch.get_num_threads()),
         log=log,
     )
 
