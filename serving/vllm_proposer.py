@@ -57,7 +57,7 @@ import numpy as np
 
 import sssd
 from sssd.calibration_file import CalibrationFile, drafter_config_for, entries_of, load_drafter, select_entry
-from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select
+from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select, trials
 
 log = logging.getLogger("sssd.vllm")
 CHAIN_RULES = ("expected", "table")
@@ -155,7 +155,8 @@ class SSSDProposer:
         m = min(len(tokens), len(new) - 1)
         same = tokens[:m] == new[:m]
         accepted = int(m if same.all() else np.argmin(same))
-        self.acceptance.observe([row], np.array([True]), [scores], [np.arange(len(tokens)) < accepted])
+        c, y = trials(scores, np.arange(len(tokens)) - 1, np.arange(len(tokens)) < accepted)  # a chain
+        self.acceptance.observe([row], np.array([True]), [c], [y])
 
     def propose(
         self,

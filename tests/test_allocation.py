@@ -212,3 +212,23 @@ def test_an_explicit_budget_is_that_budget(llama):
     outs = spec.generate(PROMPTS[:2], SamplingParams(max_tokens=20, ignore_eos=True))
     assert set(spec.metrics.budgets) == {6}
     assert len(outs) == 2
+
+
+def test_trials_are_the_nodes_whose_parent_was_accepted_at_their_conditional_probability():
+    from sssd.serving.planning.allocation import trials
+
+    #        root
+    #       /    \
+    #      0(.8)  1(.1)
+    #      |        \
+    #      2(.6)     3(.05)
+    #      |
+    #      4(.3)
+    scores = np.array([0.8, 0.1, 0.6, 0.05, 0.3])
+    parents = np.array([-1, -1, 0, 1, 2])
+    accepted = np.array([True, False, True, False, False])  # the path 0 -> 2, then 4 rejected
+    c, y = trials(scores, parents, accepted)
+    assert c.tolist() == pytest.approx([0.8, 0.1, 0.75, 0.5]) and y.tolist() == [True, False, True, False]
+    # a rejected 50-node chain is one failed trial
+    c, y = trials(np.linspace(0.9, 0.1, 50), np.arange(50) - 1, np.zeros(50, bool))
+    assert c.size == 1 and not y[0]

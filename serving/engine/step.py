@@ -339,13 +339,21 @@ class DecodeStep:
 
     def _learn_acceptance(self, plan: StepPlan, outcome: _Outcome) -> None:
         """Which verified nodes were accepted, per row, for the allocation's acceptance model."""
-        anc = plan.batch.ancestors
+        from sssd.serving.planning.allocation import trials
+
+        batch = plan.batch
         rows = [b for b in range(len(plan.requests)) if plan.budgets[b] > 0 and b not in outcome.errors]
         if not rows:
             return
-        accepted = [anc[b, outcome.node[b], 1 : 1 + int(plan.budgets[b])] for b in rows]
+        conds, outcomes = [], []
+        for b in rows:
+            n = int(plan.budgets[b])
+            accepted = batch.ancestors[b, outcome.node[b], 1 : 1 + n]
+            c, y = trials(plan.scores[b], batch.parents[b, 1 : 1 + n] - 1, accepted)  # packed -> local
+            conds.append(c)
+            outcomes.append(y)
         self.engine.allocator.acceptance.observe(
-            [plan.requests[b].id for b in rows], plan.greedy[rows], [plan.scores[b] for b in rows], accepted
+            [plan.requests[b].id for b in rows], plan.greedy[rows], conds, outcomes
         )
 
     def _compact(self, batch: TreeBatch, outcome: _Outcome) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -10,8 +10,11 @@ tree. A node's worth is its probability of being accepted,
     p = score ** gamma
 
 with gamma fitted online (AcceptanceModel): per decoding mode (greedy rows and sampled rows
-accept differently) over every verified node, and per request over its own verified nodes, shrunk
-toward its mode's. A request whose drafts keep failing gets gamma > 1 (its nodes are worth less)
+accept differently), and per request, shrunk toward its mode's. The fit counts trials, not nodes:
+a verified node whose parent was accepted is one trial of its conditional probability (its score
+over its parent's), accepted or not. Since a path's score is the product of its conditional
+probabilities, score ** gamma is the product of theirs ** gamma; and the nodes below a rejected
+one, which fail with it, teach nothing twice (a rejected 50-node tree is one failed trial, not 50). A request whose drafts keep failing gets gamma > 1 (its nodes are worth less)
 and stops taking budget; one that copies its prompt gets gamma < 1 and takes more.
 
 The step's expected tokens are B (one bonus token per row) plus the sum of the selected nodes'
@@ -57,6 +60,20 @@ def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
     return np.exp(0.5 * (lo + hi))
 
 
+def trials(scores: np.ndarray, parents: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One verified tree's trials: (conditional probabilities, outcomes) of the nodes whose parent
+    was accepted. `parents` are local indices (-1: a child of the root)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    parents = np.asarray(parents, dtype=np.int64)
+    accepted = np.asarray(accepted, dtype=bool)
+    root = parents < 0
+    up = np.where(root, 0, parents)
+    tried = root | accepted[up]
+    parent_score = np.where(root, 1.0, scores[up])
+    cond = np.clip(scores / np.maximum(parent_score, 1e-12), 0.0, 1.0)
+    return cond[tried], accepted[tried]
+
+
 class AcceptanceModel:
     """P(a node is accepted) = score ** gamma, gamma per mode and per request (see the module
     docstring). Counts decay (the workload drifts); a request's own counts are shrunk toward its
@@ -97,7 +114,8 @@ class AcceptanceModel:
         return np.power(np.clip(scores, 1e-6, 1.0), gamma)
 
     def observe(self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray], accepted: list[np.ndarray]):
-        """One step's verified nodes: per row, their scores and whether each was accepted."""
+        """One step's trials (see `trials`): per row, their conditional probabilities and whether
+        each was accepted."""
         if not ids:
             return
         for m in self.MODES:
