@@ -2,7 +2,8 @@
 
 One batch mixes chat (MT-Bench), math (GSM8K), code generation (HumanEval) and the copy-heavy sets
 (code edits, agent traces, quoting), round robin, held-out prompts (the calibration never saw them).
-At each batch size the same prompts run, in interleaved rounds, as:
+At each batch size B the same prompts (a queue of 3 x B: continuous batching admits one as another
+finishes) run, in interleaved rounds, as:
 
     plain      the engine with speculation off
     batch      SSSD, one budget per step shared across the batch by expected acceptance (the default)
@@ -39,11 +40,12 @@ from sssd.serving.engine.params import SamplingParams  # noqa: E402
 MIXED = ["mtbench", "gsm8k", "humaneval", "code-edits", "agent-traces", "quoting"]
 
 
-def mixed_prompts(sets: list[str], n: int, skip: int = 0) -> list[tuple[str, list]]:
-    """n held-out prompts, round robin over the sets (starting `skip` prompts into each)."""
+def mixed_prompts(sets: list[str], n: int, skip: int = 0, fits=None) -> list[tuple[str, list]]:
+    """n held-out prompts, round robin over the sets (starting `skip` prompts into each), those
+    that `fits` (messages -> bool: the prompt leaves room for the answer in a KV slot)."""
     from sssd.calibration import datasets
 
-    pools = {s: datasets.split(datasets.load(s), "eval") for s in sets}
+    pools = {s: [r for r in datasets.split(datasets.load(s), "eval") if fits is None or fits(r.messages)] for s in sets}
     out, i = [], skip
     while len(out) < n:
         for s in sets:
@@ -85,9 +87,15 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sets", nargs="+", default=MIXED, help="prompt sets mixed round robin")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
-    ap.add_argument("--prompts", type=int, default=6, help="prompts at batch 1 (larger batches: the batch size)")
+    ap.add_argument(
+        "--per-slot",
+        type=int,
+        default=3,
+        help="prompts per KV slot: a queue, so that a request that finishes early makes room (continuous batching)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="KV slot length; longer prompts are left out")
     ap.add_argument("--configs", nargs="+", default=["plain", "batch", "per-size"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="", help="a label for this run in the output files")
@@ -104,17 +112,25 @@ def main() -> int:
         if c == "plain":
             continue
         engines[c] = LLMEngine(
-            args.model, config=EngineConfig(max_running=max_b, max_model_len=1536, allocation=c, threads=args.threads)
+            args.model,
+            config=EngineConfig(
+                max_running=max_b, max_model_len=args.max_model_len, allocation=c, threads=args.threads
+            ),
         )
     plain_engine = next(iter(engines.values()))
-    warm = mixed_prompts(args.sets, 2, skip=50)  # first calls (prefill shapes, the profile) stay out of the runs
+    room = args.max_model_len - args.max_tokens - 66  # the answer and one draft tree
+
+    def fits(messages) -> bool:
+        return len(plain_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)) <= room
+
+    warm = mixed_prompts(args.sets, 2, skip=50, fits=fits)  # first calls (prefill shapes, the profile) stay out
     for eng in engines.values():
         for speculate in (False, True):
             eng.generate([p for _, p in warm], SamplingParams(max_tokens=8, speculate=speculate))
     print(f"machine: {json.dumps(machine())}", flush=True)
     rows = []
     for B in args.batch_sizes:
-        prompts = mixed_prompts(args.sets, max(B, args.prompts) if B == 1 else B, skip=0)
+        prompts = mixed_prompts(args.sets, args.per_slot * B if B > 1 else 2 * len(args.sets), fits=fits)
         for r in range(args.rounds):
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             res = {}
