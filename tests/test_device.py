@@ -140,10 +140,11 @@ def test_a_kv_pool_that_does_not_fit_says_its_sizes(llama):
         TorchBackend(llama, slots=2**20, capacity=2**20)
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_a_ragged_pass_computes_what_a_padded_one_does(llama, fold):
+@pytest.mark.parametrize("fold,call_cost", [(False, 0), (False, 16), (False, 10**6), (True, 16)])
+def test_a_ragged_pass_computes_what_a_padded_one_does(llama, fold, call_cost, monkeypatch):
     """Trees of unequal size run ragged (the layers over the real tokens only): the same hidden
     states at every real node, the same K/V written for them, as the pass that pads every row."""
+    monkeypatch.setattr(attention, "CALL_COST", call_cost)  # 0: split wherever it saves; 1e6: never
     rng = np.random.default_rng(3)
     drafts = random_drafts(rng, 4, vocab=20)
     cached = np.array([5, 0, 9, 3], np.int64)
@@ -174,3 +175,14 @@ def test_ragged_passes_keep_greedy_identical_through_the_engine(llama, monkeypat
         runs[flag] = [o.token_ids for o in eng.generate(PROMPTS, params)]
     plain = LLMEngine(llama, datastore=None, draft=[], config=EngineConfig(max_model_len=256))
     assert runs["1"] == runs["0"] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+
+
+def test_the_split_of_a_ragged_pass_takes_the_long_rows_tails_alone():
+    plan = attention.split_plan(np.array([1, 2, 41, 1, 3]), torch.device("cpu"))
+    assert plan.width <= 3 and [r for r, *_ in plan.tails] == [2]
+    r, j0, j1, size = plan.tails[0]
+    assert (j0, j1, size) == (1 + 2 + plan.width, 1 + 2 + 41, 41)
+    # every token is in the all-rows call or in a tail, once
+    covered = sorted(plan.src.tolist() + [j for _, a, b, _ in plan.tails for j in range(a, b)])
+    assert covered == list(range(48))
+    assert attention.split_plan(np.array([5, 5, 4]), torch.device("cpu")) is None  # nearly even: pad

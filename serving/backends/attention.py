@@ -56,6 +56,7 @@ class PoolStep:
         length: int,
         fold: bool | None = None,
         ragged: torch.Tensor | None = None,
+        sizes=None,
     ):
         self.pool, self.rows, self.length = pool, rows, length
         self.index = pool.flat_index(rows, positions)  # the same for every layer
@@ -69,6 +70,7 @@ class PoolStep:
             self.index = self.index.view(B, heads, T).transpose(0, 1).reshape(heads, B * T)[:, ragged].reshape(-1)
         self.fold = (pool.kv.device.type == "cuda" and cuda_mode() == "folded") if fold is None else fold
         self._biases: dict = {}  # (mask id, groups, dtype) -> the folded additive mask, shared by the layers
+        self.split = split_plan(sizes, positions.device) if ragged is not None and sizes is not None else None
 
     def folded_bias(self, mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask [B, 1, G x T, S] of the folded queries, built once per pass and mask."""
@@ -99,6 +101,77 @@ class PoolStep:
             return out
         B, H, T, D = out.shape
         return out.transpose(0, 1).reshape(H, B * T, D)[:, self.ragged][None]
+
+
+#: What one more attention call costs, in query rows of attention (the split's trade-off).
+CALL_COST = 16
+
+
+class SplitPlan:
+    """Attention of a ragged pass in 1 + R calls instead of one over rows padded to the largest
+    tree: the first `width` queries of every row in one call over the whole batch (no K/V copied),
+    then each of the R rows with more queries attends with the rest alone (a one-row view of its
+    K/V). With one row verifying 60 nodes beside rows of 1-3, attention costs what the real
+    queries cost, not rows x 61 (at long contexts, most of a padded pass).
+
+    Ragged tokens are in row-major order: row r's are [start[r], start[r] + sizes[r])."""
+
+    def __init__(self, sizes, width: int, device: torch.device):
+        import numpy as np
+
+        sizes = np.asarray(sizes, dtype=np.int64)
+        B = sizes.size
+        start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        head = np.minimum(sizes, width)
+        rows = np.repeat(np.arange(B), head)
+        idx = np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head)
+        self.width, self.rows = int(width), B
+        self.src = torch.from_numpy(np.repeat(start, head) + idx).to(device)  # ragged position
+        self.dst = torch.from_numpy(rows * width + idx).to(device)  # position in [B x width]
+        self.tails = [
+            (int(r), int(start[r] + width), int(start[r] + sizes[r]), int(sizes[r]))
+            for r in np.flatnonzero(sizes > width)
+        ]
+
+
+def split_plan(sizes, device: torch.device) -> SplitPlan | None:
+    """The split that costs least (B x width + the tails' queries + CALL_COST per extra call); None
+    when padding every row costs no more."""
+    import numpy as np
+
+    sizes = np.asarray(sizes, dtype=np.int64)
+    T = int(sizes.max())
+    best_w, best = T, sizes.size * T
+    for w in np.unique(sizes):
+        longer = sizes > w
+        cost = sizes.size * int(w) + int((sizes[longer] - w).sum()) + CALL_COST * int(longer.sum())
+        if cost < best:
+            best_w, best = int(w), cost
+    return SplitPlan(sizes, best_w, device) if best_w < T else None
+
+
+def split_attention(step: PoolStep, query, k, v, mask, scaling, groups: int) -> torch.Tensor:
+    """Attention of ragged queries [1, H, N, D] by the step's SplitPlan; returns [1, H, N, D]."""
+    plan = step.split
+    B, W = plan.rows, plan.width
+    _, H, N, D = query.shape
+    out = query.new_empty((H, N, D))
+    q = query.new_zeros((H, B * W, D))
+    q[:, plan.dst] = query[0][:, plan.src]
+    head = torch.nn.functional.scaled_dot_product_attention(
+        q.view(H, B, W, D).transpose(0, 1), k, v, attn_mask=mask[:, :, :W], scale=scaling, enable_gqa=groups > 1
+    )
+    out[:, plan.src] = head.transpose(0, 1).reshape(H, B * W, D)[:, plan.dst]
+    for r, j0, j1, size in plan.tails:
+        out[:, j0:j1] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, j0:j1],
+            k[r : r + 1],
+            v[r : r + 1],
+            attn_mask=mask[r : r + 1, :, W:size],
+            scale=scaling,
+            enable_gqa=groups > 1,
+        )[0]
+    return out[None]
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -154,8 +227,10 @@ def pool_attention(
             f"the {ATTENTION!r} attention runs only inside a TorchBackend forward pass (no {STEP_KWARG} given)"
         )
     k, v = step.update(key, value, module.layer_idx)
-    query = step.rows_of(query) if hasattr(step, "rows_of") else query
     groups = query.shape[1] // k.shape[1]
+    if getattr(step, "split", None) is not None and not softcap and not step.fold and attention_mask is not None:
+        return split_attention(step, query, k, v, attention_mask, scaling, groups).transpose(1, 2).contiguous(), None
+    query = step.rows_of(query) if hasattr(step, "rows_of") else query
     if softcap:  # logit soft-capping (Gemma 2) has no fused kernel: the plain computation
         k, v = _expand_kv(k, groups), _expand_kv(v, groups)
         scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)

@@ -317,7 +317,15 @@ class TorchBackend(VerifierBackend):
             if sliding:
                 near = pos[:, :, None] - kv_pos[:, None, :] < self.info.sliding_window
                 mask["sliding_attention"] = full & near[:, None]
-        step = attention.PoolStep(self.pool, rows, writes, S, fold=self.fold_attention, ragged=ragged)
+        step = attention.PoolStep(
+            self.pool,
+            rows,
+            writes,
+            S,
+            fold=self.fold_attention,
+            ragged=ragged,
+            sizes=batch.sizes if ragged is not None else None,
+        )
         ids, at = (tok, pos) if ragged is None else (tok.reshape(-1)[ragged][None], pos.reshape(-1)[ragged][None])
         out = self.model.model(
             input_ids=ids, position_ids=at, attention_mask=mask, use_cache=False, **{attention.STEP_KWARG: step}
