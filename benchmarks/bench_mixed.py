@@ -60,6 +60,8 @@ def mixed_prompts(sets: list[str], n: int, skip: int = 0, fits=None) -> list[tup
 def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
     params = SamplingParams(max_tokens=max_tokens, speculate=speculate)
     before = dict(engine.allocator.report()["buckets"]) if engine.allocator is not None else {}
+    m = engine.metrics
+    prefill0, decode0 = m.prefill_seconds, m.draft_seconds + m.forward_seconds
     t0 = time.perf_counter()
     outs = engine.generate([p for _, p in prompts], params)
     seconds = time.perf_counter() - t0
@@ -67,9 +69,12 @@ def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
     steps = sum(o.stats["steps"] for o in outs)
     spent = sum(sum(o.stats["budgets"]) for o in outs)
     decode_steps = max(max(len(o.stats["budgets"]) for o in outs), 1)
+    decode = m.draft_seconds + m.forward_seconds - decode0
     res = {
         "tokens": tokens,
         "seconds": round(seconds, 3),
+        "prefill_seconds": round(m.prefill_seconds - prefill0, 3),
+        "decode_tokens_per_s": round(tokens / decode, 3) if decode > 0 else None,
         "tokens_per_s": round(tokens / seconds, 3),
         "tokens_per_step": round(tokens / max(steps, 1), 3),
         "nodes_per_row_step": round(spent / max(steps, 1), 2),
@@ -147,6 +152,9 @@ def main() -> int:
                     "config": c,
                     **{k: v for k, v in x.items() if k not in ("outputs",)},
                     "speedup": round(x["tokens_per_s"] / base["tokens_per_s"], 3) if base else None,
+                    "decode_speedup": round(x["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+                    if base
+                    else None,
                     "identical": (x["outputs"] == base["outputs"]) if base else None,
                 }
                 rows.append(row)
@@ -155,6 +163,7 @@ def main() -> int:
                 bucket = alloc.get(1 << max(0, B - 1).bit_length(), {})
                 print(
                     f"B={B:<3} r{r} {c:<9} {x['tokens_per_s']:8.2f} tok/s  x{row['speedup'] or 1:.3f}  "
+                    f"decode x{row['decode_speedup'] or 1:.3f}  prefill {x['prefill_seconds']:.1f}s  "
                     f"tok/step {x['tokens_per_step']:.2f}  nodes/row/step {x['nodes_per_row_step']:.2f}  "
                     f"identical {row['identical']}"
                     + (
@@ -172,8 +181,9 @@ def main() -> int:
 
 def summarize(rows, args) -> str:
     lines = [
-        "| batch | config | tok/s (median) | vs plain (per round) | tokens/step | nodes/row/step | identical |",
-        "|---:|---|---:|---|---:|---:|---|",
+        "| batch | config | tok/s (median) | vs plain (per round) | decode only, vs plain | tokens/step | "
+        "nodes/row/step | identical |",
+        "|---:|---|---:|---|---|---:|---:|---|",
     ]
     for B in args.batch_sizes:
         for c in args.configs:
@@ -181,8 +191,9 @@ def summarize(rows, args) -> str:
             if not rs:
                 continue
             sp = ", ".join(f"{r['speedup']:.2f}" for r in rs if r["speedup"] is not None)
+            dsp = ", ".join(f"{r['decode_speedup']:.2f}" for r in rs if r["decode_speedup"] is not None)
             lines.append(
-                f"| {B} | {c} | {np.median([r['tokens_per_s'] for r in rs]):.1f} | {sp} | "
+                f"| {B} | {c} | {np.median([r['tokens_per_s'] for r in rs]):.1f} | {sp} | {dsp} | "
                 f"{np.median([r['tokens_per_step'] for r in rs]):.2f} | "
                 f"{np.median([r['nodes_per_row_step'] for r in rs]):.2f} | "
                 f"{all(r['identical'] is not False for r in rs)} |"
