@@ -126,7 +126,12 @@ def main() -> int:
     room = args.max_model_len - args.max_tokens - 66  # the answer and one draft tree
 
     def fits(messages) -> bool:
-        return len(plain_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)) <= room
+        from sssd.serving.engine.prompts import encode_prompt
+
+        try:
+            return len(encode_prompt(plain_engine.tokenizer, messages, limit=room)) <= room
+        except ValueError:  # certainly longer
+            return False
 
     warm = mixed_prompts(args.sets, 2, skip=50, fits=fits)  # first calls (prefill shapes, the profile) stay out
     for eng in engines.values():

@@ -232,3 +232,26 @@ def test_trials_are_the_nodes_whose_parent_was_accepted_at_their_conditional_pro
     # a rejected 50-node chain is one failed trial
     c, y = trials(np.linspace(0.9, 0.1, 50), np.arange(50) - 1, np.zeros(50, bool))
     assert c.size == 1 and not y[0]
+
+
+def test_plain_steps_are_measured_and_drafting_stops_where_it_loses_to_them():
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    assert not alloc.drafts(4)  # the first step of a bucket measures plain decoding
+    alloc.observe_plain(4, 0.05)
+    assert alloc.drafts(4)
+    scores = [np.full(8, 0.5, np.float32)] * 4
+    # speculative steps turn out to cost 3x what the profile says: drafting loses to the plain step
+    for _ in range(20):
+        a = alloc.allocate([1, 2, 3, 4], np.ones(4, bool), scores)
+        alloc.observe(4, int(a.counts.sum()) or 1, 0.15 * (1 + a.counts.sum() / 40), 0.16, 6, a.tokens_per_second)
+    assert alloc.report()["buckets"][4]["gain_over_plain"] < 1.0
+    turns = [alloc.drafts(4) for _ in range(64)]
+    assert 0 < sum(turns) <= 64 // alloc.PROBE_EVERY  # only probes draft
+    # where speculative steps cost what the profile says, drafting goes on (and plain is re-measured)
+    good = BatchAllocator(linear_profile(0.05, 0.001).times)
+    good.observe_plain(4, 0.054)
+    for _ in range(20):
+        a = good.allocate([1, 2, 3, 4], np.ones(4, bool), [np.full(8, 0.9, np.float32)] * 4)
+        good.observe(4, int(a.counts.sum()), float(good.forward_seconds(4, [a.counts.sum()])[0]), 0.06, 10, 1.0)
+    turns = [good.drafts(4) for _ in range(64)]
+    assert 64 - 64 // good.PLAIN_EVERY - 1 <= sum(turns) < 64

@@ -79,7 +79,7 @@ class DecodeStep:
         t0 = time.perf_counter()
         allocator = eng.allocator if eng.drafting is not None else None
         if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
-            budget = allocator.candidate_budget(B)
+            budget = allocator.candidate_budget(B) if allocator.drafts(B) else 0
         else:
             budget = eng.planner.budget(B) if eng.drafting is not None else 0
         cap = budget
@@ -103,7 +103,6 @@ class DecodeStep:
             if not budget:
                 drafts, use, proposals = None, None, None
         elif allocator is not None:
-            allocation = allocator.allocate([r.id for r in reqs], greedy, [np.zeros(0, np.float32)] * B)
             budgets[:] = 0
         trials = None
         if proposals is not None and any(c.dists is not None for cands in proposals for _, c in cands):
@@ -446,6 +445,8 @@ class DecodeStep:
             eng.allocator.observe(
                 B, int(plan.budgets.sum()), t_forward, seconds, n_emitted, plan.allocation.tokens_per_second
             )
+        elif eng.allocator is not None:
+            eng.allocator.observe_plain(B, seconds)
         else:
             eng.planner.observe(B, plan.budget, seconds, n_emitted)
         if eng.drafting is not None and plan.budget:  # what the deferral of costly sources measures

@@ -209,6 +209,13 @@ class BatchAllocator:
     """
 
     DECAY = 0.9  # weight of the past in the measured corrections, per observed step
+    #: Every PLAIN_EVERY-th step of a batch-size bucket is a plain step (no drafting at all), so the
+    #: rate speculation must beat is measured, not modelled: a correction fitted on speculative steps
+    #: (long contexts, tree masks) does not carry over to one-token steps.
+    PLAIN_EVERY = 32
+    #: Where the best allocation was predicted slower than plain decoding, only every
+    #: PROBE_EVERY-th step drafts (to notice when it pays again); the others are plain.
+    PROBE_EVERY = 8
 
     def __init__(
         self,
@@ -224,7 +231,11 @@ class BatchAllocator:
         self._caps: dict[int, int] = {}
         #: batch bucket -> [predicted tokens/s, measured tokens/s] (exponential means)
         self.rates: dict[int, list[float]] = {}
-        self.steps = self.empty_steps = 0
+        self._plain: dict[int, float] = {}  # batch bucket -> measured seconds of a plain step
+        self._gain: dict[int, float] = {}  # batch bucket -> best predicted rate over plain's (mean)
+        self._turn: dict[int, int] = {}
+        self._plain_rows: dict[int, float] = {}  # the rows of the measured plain steps (mean)
+        self.steps = self.empty_steps = self.plain_steps = 0
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -233,18 +244,45 @@ class BatchAllocator:
     def forward_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
         """Predicted forward seconds of B rows verifying `drafted` draft nodes in all."""
         per_row = (batch + np.asarray(drafted, dtype=np.float64)) / batch
-        return self._scale.get(self.bucket(batch), 1.0) * np.asarray(self.time(batch, per_row), dtype=np.float64)
+        return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
+
+    def scale(self, batch: int) -> float:
+        """Measured forward over the profile's: from speculative steps once there are some, before
+        that from plain steps (the profile may come from another load on this machine)."""
+        key = self.bucket(batch)
+        if key in self._scale:
+            return self._scale[key]
+        if key in self._plain:
+            rows = max(int(round(self._plain_rows[key])), 1)
+            return self._plain[key] / float(np.asarray(self.time(rows, np.array([1.0])))[0])
+        return 1.0
 
     def step_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
+        """Predicted seconds of a step verifying `drafted` draft nodes in all (0: the measured plain
+        step, once there is one)."""
         drafted = np.asarray(drafted, dtype=np.float64)
-        return self.forward_seconds(batch, drafted) + self._overhead.get(self.bucket(batch), 0.0)
+        key = self.bucket(batch)
+        out = self.forward_seconds(batch, drafted) + self._overhead.get(key, 0.0)
+        if key in self._plain:
+            out = np.where(drafted == 0, self._plain[key] * batch / self._plain_rows.get(key, batch), out)
+        return out
+
+    def drafts(self, batch: int) -> bool:
+        """Whether this step drafts at all (see PLAIN_EVERY and PROBE_EVERY)."""
+        key = self.bucket(batch)
+        n = self._turn[key] = self._turn.get(key, 0) + 1
+        if key not in self._plain or n % self.PLAIN_EVERY == 0:
+            return False
+        if self._gain.get(key, 2.0) < 1.0:
+            return n % self.PROBE_EVERY == 0
+        return True
 
     def candidate_budget(self, batch: int) -> int:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
         certain to be accepted stop paying (so rows need not be drafted deeper)."""
         if batch not in self._caps:
             ks = np.arange(self.max_budget * batch + 1)
-            rate = (batch + ks) / self.step_seconds(batch, ks)
+            rate = (batch + ks) / (self.forward_seconds(batch, ks) + self._overhead.get(self.bucket(batch), 0.0))
             self._caps[batch] = int(min(self.max_budget, np.argmax(rate)))
         return self._caps[batch]
 
@@ -254,10 +292,18 @@ class BatchAllocator:
         B = len(ids)
         gammas = self.acceptance.gammas(ids, greedy)
         values = [self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
-        counts, k = select(values, lambda ks: self.step_seconds(B, ks), B)
+        cost = lambda ks: self.step_seconds(B, ks)  # noqa: E731
+        counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
         self.steps += 1
         self.empty_steps += k == 0
+        key = self.bucket(B)
+        if key in self._plain:  # the best speculative choice against the measured plain step
+            spec_cost = self.forward_seconds(B, np.array([max(k, 1)]))[0] + self._overhead.get(key, 0.0)
+            gain = (expected if k else B + float(max((v[:1].sum() for v in values), default=0.0))) / spec_cost
+            gain /= B / float(cost(np.array([0]))[0])
+            old = self._gain.get(key)
+            self._gain[key] = gain if old is None else 0.7 * old + 0.3 * gain
         return Allocation(
             counts, expected, float(self.step_seconds(B, np.array([k]))[0]), int(sum(s.size for s in scores))
         )
@@ -286,21 +332,35 @@ class BatchAllocator:
             r[0] = 0.95 * r[0] + 0.05 * predicted
             r[1] = 0.95 * r[1] + 0.05 * tokens / step_seconds
 
+    def observe_plain(self, batch: int, step_seconds: float) -> None:
+        """A plain step's wall time (no drafting, no draft verified)."""
+        if step_seconds <= 0:
+            return
+        key = self.bucket(batch)
+        self.plain_steps += 1
+        old, rows = self._plain.get(key), self._plain_rows.get(key)
+        self._plain[key] = step_seconds if old is None else self.DECAY * old + (1 - self.DECAY) * step_seconds
+        self._plain_rows[key] = batch if rows is None else self.DECAY * rows + (1 - self.DECAY) * batch
+        self._caps.pop(batch, None)
+
     def report(self) -> dict:
         """Per batch bucket: the forward's measured ratio to the profile, the step's overhead, and
         predicted against measured tokens/s."""
         return {
             "steps": self.steps,
             "steps_without_drafts": self.empty_steps,
+            "plain_steps": self.plain_steps,
             "gamma": {m: round(g, 3) for m, g in self.acceptance._gamma.items()},
             "buckets": {
                 k: {
-                    "forward_vs_profile": round(self._scale.get(k, 1.0), 3),
+                    "forward_vs_profile": round(self.scale(k), 3),
                     "overhead_ms": round(1e3 * self._overhead.get(k, 0.0), 2),
+                    "plain_step_ms": round(1e3 * self._plain[k], 2) if k in self._plain else None,
+                    "gain_over_plain": round(self._gain[k], 3) if k in self._gain else None,
                     "predicted_tokens_per_s": round(self.rates[k][0], 2) if k in self.rates else None,
                     "measured_tokens_per_s": round(self.rates[k][1], 2) if k in self.rates else None,
                 }
-                for k in sorted(set(self._scale) | set(self.rates))
+                for k in sorted(set(self._scale) | set(self.rates) | set(self._plain))
             },
         }
 
