@@ -213,8 +213,9 @@ class BatchAllocator:
     #: rate speculation must beat is measured, not modelled: a correction fitted on speculative steps
     #: (long contexts, tree masks) does not carry over to one-token steps.
     PLAIN_EVERY = 32
-    #: Where the best allocation was predicted slower than plain decoding, only every
-    #: PROBE_EVERY-th step drafts (to notice when it pays again); the others are plain.
+    #: Where speculative steps measured slower than plain ones (tokens per second, exponential
+    #: means), only every PROBE_EVERY-th step drafts (to notice when it pays again); the others are
+    #: plain. The allocation's prediction shapes each step; this measurement decides whether to draft.
     PROBE_EVERY = 8
 
     def __init__(
@@ -297,13 +298,6 @@ class BatchAllocator:
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
         self.steps += 1
         self.empty_steps += k == 0
-        key = self.bucket(B)
-        if key in self._plain:  # the best speculative choice against the measured plain step
-            spec_cost = self.forward_seconds(B, np.array([max(k, 1)]))[0] + self._overhead.get(key, 0.0)
-            gain = (expected if k else B + float(max((v[:1].sum() for v in values), default=0.0))) / spec_cost
-            gain /= B / float(cost(np.array([0]))[0])
-            old = self._gain.get(key)
-            self._gain[key] = gain if old is None else 0.7 * old + 0.3 * gain
         return Allocation(
             counts, expected, float(self.step_seconds(B, np.array([k]))[0]), int(sum(s.size for s in scores))
         )
@@ -327,6 +321,11 @@ class BatchAllocator:
             old = self._overhead.get(key)
             self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
             self._caps.pop(batch, None)
+        if key in self._plain and step_seconds > 0 and drafted:  # measured against measured plain steps
+            plain_rate = self._plain_rows[key] / self._plain[key]
+            gain = (tokens / step_seconds) / plain_rate
+            old = self._gain.get(key)
+            self._gain[key] = gain if old is None else 0.8 * old + 0.2 * gain
         if predicted is not None and step_seconds > 0:
             r = self.rates.setdefault(key, [predicted, tokens / step_seconds])
             r[0] = 0.95 * r[0] + 0.05 * predicted
@@ -410,3 +409,80 @@ class MeasuredStepCost:
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         a, b = self.coefficients()
         return a + b * np.asarray(tokens, dtype=np.float64)
+
+
+# -- projecting the allocation from replayed steps (sssd plan --groundtruth) ----------------------
+# A batch of B is B replayed steps (calibration/allocation_replay.py: a tree's scores and parents,
+# and the tokens accepted when its first k nodes are verified) drawn at random; the allocation
+# decides each row's prefix under a forward-cost profile, and the step yields B bonus tokens plus
+# what those prefixes accept. Averaged over many draws: the allocation's speedup at batch B.
+
+
+def fitted_gamma(steps) -> float:
+    """The mode's gamma over every replayed node verified (each tree whole)."""
+    n = np.zeros(len(CENTERS))
+    a = np.zeros(len(CENTERS))
+    for s, p, acc in zip(steps.scores, steps.parents, steps.accepted):
+        if not s.size:
+            continue
+        on_path = _on_path(p, acc[-1], acc)
+        c, y = trials(s, p, on_path)
+        k = np.clip(np.searchsorted(EDGES, c, side="right") - 1, 0, len(CENTERS) - 1)
+        n += np.bincount(k, minlength=len(CENTERS))
+        a += np.bincount(k, weights=y.astype(float), minlength=len(CENTERS))
+    return float(fit_gamma(n, a)[0]) if n.sum() else 1.0
+
+
+def _on_path(parents: np.ndarray, deepest: int, accepted: np.ndarray) -> np.ndarray:
+    """Which nodes are on the accepted path: the node where `accepted` first reaches `deepest`,
+    and its ancestors."""
+    on = np.zeros(parents.size, dtype=bool)
+    if deepest <= 0:
+        return on
+    node = int(np.argmax(accepted[1:] == deepest))
+    while node >= 0:
+        on[node] = True
+        node = int(parents[node])
+    return on
+
+
+def project(
+    steps,
+    profile,
+    batches: Sequence[int],
+    draws: int = 200,
+    seed: int = 0,
+    gamma: float | None = None,
+) -> list[dict]:
+    """Per batch size: the allocation's mean draft nodes per row, tokens per row and step, and
+    speedup over plain decoding under `profile` (tokens per second over plain's)."""
+    if not len(steps):
+        raise ValueError("no replayed steps to project from (empty or one-token outputs)")
+    g = fitted_gamma(steps) if gamma is None else float(gamma)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for B in batches:
+        plain = float(profile.times(B, np.array([1.0]))[0])
+
+        def cost(ks, B=B):
+            return profile.times(B, (B + np.asarray(ks, dtype=np.float64)) / B)
+
+        tokens = seconds = nodes = 0.0
+        for _ in range(draws):
+            idx = rng.integers(len(steps), size=B)
+            values = [np.power(np.clip(steps.scores[i], 1e-6, 1.0), g) for i in idx]
+            counts, k = select(values, cost, B)
+            tokens += B + sum(int(steps.accepted[i][c]) for i, c in zip(idx, counts))
+            seconds += float(cost(np.array([k]))[0])
+            nodes += k
+        rate = tokens / seconds
+        rows.append(
+            {
+                "batch": B,
+                "nodes_per_row": round(nodes / (draws * B), 2),
+                "tokens_per_row_step": round(tokens / (draws * B), 3),
+                "speedup": round(rate / (B / plain), 3),
+                "gamma": round(g, 3),
+            }
+        )
+    return rows
