@@ -186,3 +186,40 @@ def test_the_split_of_a_ragged_pass_takes_the_long_rows_tails_alone():
     covered = sorted(plan.src.tolist() + [j for _, a, b, _ in plan.tails for j in range(a, b)])
     assert covered == list(range(48))
     assert attention.split_plan(np.array([5, 5, 4]), torch.device("cpu")) is None  # nearly even: pad
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_short_row_at_the_end_of_its_slot_beside_a_long_tree_stays_inside_it(llama, ragged):
+    """Row 0 has 3 positions left in its slot and verifies its root alone; row 1 verifies 19 draft
+    nodes: padding row 0 to 20 queries would reach 17 positions past its slot's end (into the next
+    slot's K/V). Each row computes what it computes alone, and row 1's cached K/V stay intact."""
+    from sssd.tree import DraftBatch, concat
+
+    chain = 19
+    drafts = DraftBatch(
+        np.array([0, 0, chain]),
+        np.arange(10, 10 + chain, dtype=np.int64),
+        np.arange(chain, dtype=np.int32) - 1,
+        np.arange(1, chain + 1, dtype=np.int32),
+        np.ones(chain, np.float32),
+        np.zeros(chain, np.uint8),
+        np.ones(chain, np.float32),
+    )
+    cached = np.array([29, 4], np.int64)
+    roots = np.array([7, 8])
+    be = TorchBackend(llama, slots=2, capacity=32)
+    be.ragged = ragged
+    torch.manual_seed(0)
+    be.pool.kv.copy_(torch.randn_like(be.pool.kv))
+    before = be.pool.kv.clone()
+    batch = pack(roots, cached, drafts)
+    assert batch.kv_length > be.capacity
+    both = be.hidden_states(slice(0, 2), batch)
+    for b in range(2):
+        one = TorchBackend(llama, slots=2, capacity=32)
+        one.pool.kv.copy_(before)
+        row = concat([drafts[b]]) if b == 1 else None
+        alone = one.hidden_states(slice(b, b + 1), pack(roots[b : b + 1], cached[b : b + 1], row))
+        n = int(batch.sizes[b])
+        torch.testing.assert_close(both[b, :n], alone[0, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(be.pool.kv[:, :, 1, :, :4], before[:, :, 1, :, :4])

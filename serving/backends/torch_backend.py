@@ -292,8 +292,12 @@ class TorchBackend(VerifierBackend):
         ragged = None
         if isinstance(batch, TreeBatch):
             B, T = batch.shape
-            # rows of unequal size: the layers run over the real tokens only (see PoolStep)
-            flat = np.flatnonzero(batch.valid.reshape(-1)) if self.ragged and not batch.valid.all() else None
+            # rows of unequal size: the layers run over the real tokens only (see PoolStep). Padding
+            # that would reach past a slot's end (a short prompt chunk beside a long one, at the end
+            # of its slot) must not be written: such passes always run ragged
+            spill = S > self.capacity
+            ragged_pass = (self.ragged or spill) and not batch.valid.all()
+            flat = np.flatnonzero(batch.valid.reshape(-1)) if ragged_pass else None
             tok, pos, writes, cached, valid, anc, *rest = _Sent.send(
                 dev,
                 batch.tokens,
@@ -307,6 +311,10 @@ class TorchBackend(VerifierBackend):
             full = tree_mask(cached, valid, anc, S)[:, None]
             kv_pos = kv_positions(writes, pos, S) if sliding else None
             ragged = rest[0] if rest else None
+            if spill:  # only padding lies past the slots' end: nothing there is read or written
+                S = self.capacity
+                full = full[..., :S]
+                kv_pos = kv_pos[:, :S] if kv_pos is not None else None
         else:
             arrays = [batch.tokens, batch.positions, batch.writes, batch.visible()]
             tok, pos, writes, vis, *kv = _Sent.send(dev, *arrays, *([batch.kv_positions()] if sliding else []))

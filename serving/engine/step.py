@@ -98,7 +98,7 @@ class DecodeStep:
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
         allocation = scores = None
         if allocator is not None and drafts is not None:
-            drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use)
+            drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use, budgets)
             budget = int(budgets.max()) if budgets.size else 0
             if not budget:
                 drafts, use, proposals = None, None, None
@@ -122,14 +122,17 @@ class DecodeStep:
         plan.times["prepared"] = time.perf_counter()
         return plan
 
-    def _allocate(self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray):
+    def _allocate(self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray):
         """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
-        its tree. Returns the cut drafts, the rows that keep a draft, nodes per row, the
-        allocation, and the verified nodes' scores per row."""
+        its tree, at most its budget, and short enough that every row's padded tree stays inside
+        its KV slot (rows are padded to the largest tree). Returns the cut drafts, the rows that
+        keep a draft, nodes per row, the allocation, and the verified nodes' scores per row."""
         B = len(reqs)
         off = drafts.offsets
+        room = self.engine.max_model_len - 1 - max(r.cached for r in reqs)
+        limit = np.minimum(np.minimum(budgets, max(room, 0)), np.diff(off))
         empty = np.zeros(0, dtype=np.float32)
-        cands = [drafts.scores[off[b] : off[b + 1]] if use[b] else empty for b in range(B)]
+        cands = [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
         allocation = self.engine.allocator.allocate([r.id for r in reqs], greedy, cands)
         counts = np.where(use, allocation.counts, 0).astype(np.int32)
         if not counts.any() and allocation.candidates:
