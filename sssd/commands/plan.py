@@ -40,6 +40,20 @@ def setup(p: argparse.ArgumentParser):
     p.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256], help="batch sizes to project"
     )
+    p.add_argument(
+        "--groundtruth",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="`sssd groundtruth` files to replay: adds the batch-wide allocation's projection (each row "
+        "verifies what its own tree is worth), from trees drafted along the recorded outputs",
+    )
+    p.add_argument(
+        "--datastore",
+        default="default",
+        help='datastore the replay drafts with (--groundtruth; "none": the request\'s own text only)',
+    )
+    p.add_argument("--limit", type=int, default=40, help="examples replayed per ground-truth file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     def run(args: argparse.Namespace) -> int:
@@ -66,6 +80,10 @@ def setup(p: argparse.ArgumentParser):
         mat = mat_from_calibration(cal)  # ValueError for a malformed file
         hw = HARDWARE[args.hardware]
         rows = projection(shape, hw, mat, tuple(args.batch_sizes), args.context, args.efficiency)
+        alloc = _allocation(args, shape, hw) if args.groundtruth else None
+        if alloc is not None:
+            for r, a in zip(rows, alloc["projection"]):
+                r["allocation"] = a
         if args.json:
             print(
                 json.dumps(
@@ -76,6 +94,7 @@ def setup(p: argparse.ArgumentParser):
                         "efficiency": args.efficiency,
                         "mat_from": str(cal),
                         "projection": rows,
+                        "allocation_replayed_from": alloc["replayed_from"] if alloc else None,
                     },
                     indent=2,
                 )
@@ -85,11 +104,27 @@ def setup(p: argparse.ArgumentParser):
             f"PROJECTION (roofline, not measured): {shape.name} on {hw.name}, context {args.context}, "
             f"{args.efficiency:.0%} of peak FLOP/s; MAT per budget replayed from {cal}"
         )
-        print(f"{'batch':>6} {'budget':>7} {'MAT':>6} {'cost':>6} {'speedup':>8} {'plain tok/s':>12} {'tok/s':>10}")
+        extra = f" {'alloc nodes/row':>16} {'alloc tok/row':>14} {'alloc speedup':>14}" if alloc else ""
+        print(
+            f"{'batch':>6} {'budget':>7} {'MAT':>6} {'cost':>6} {'speedup':>8} {'plain tok/s':>12} {'tok/s':>10}"
+            + extra
+        )
         for r in rows:
+            a = r.get("allocation")
             print(
                 f"{r['batch']:>6} {r['budget']:>7} {r['mat']:>6.2f} {r['cost_ratio']:>6.2f} {r['speedup']:>7.2f}x "
                 f"{r['plain_tokens_per_s']:>12,.0f} {r['tokens_per_s']:>10,.0f}"
+                + (
+                    f" {a['nodes_per_row']:>16.2f} {a['tokens_per_row_step']:>14.2f} {a['speedup']:>13.2f}x"
+                    if a
+                    else ""
+                )
+            )
+        if alloc:
+            print(
+                f"alloc: one budget per step shared across the batch by expected acceptance, replayed from "
+                f"{alloc['replayed_from']['steps']} drafted steps of {', '.join(alloc['replayed_from']['files'])} "
+                f"(gamma {alloc['projection'][0]['gamma']}); budget/MAT/speedup: one budget per batch size"
             )
         print(
             "cost: forward time at budget+1 tokens per row over 1 token; speedup: MAT / cost. "
@@ -100,3 +135,30 @@ def setup(p: argparse.ArgumentParser):
         return 0
 
     return run
+
+
+def _allocation(args: argparse.Namespace, shape, hw) -> dict:
+    """The batch-wide allocation's projection, from trees drafted along recorded outputs."""
+    import sssd
+    from sssd.calibration.allocation_replay import ReplaySteps, replay_steps
+    from sssd.calibration.ground_truth import load_groundtruth
+    from sssd.serving.planning.allocation import project
+    from sssd.serving.planning.roofline import roofline_profile
+
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    drafter = sssd.Drafter(None if args.datastore == "none" else args.datastore, budget=64)
+    steps = ReplaySteps()
+    for path in args.groundtruth:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--groundtruth {path}: no such file")
+        _, examples = load_groundtruth(path)
+        more = replay_steps(drafter, examples[: args.limit], budget=64)
+        steps.scores += more.scores
+        steps.parents += more.parents
+        steps.accepted += more.accepted
+    prof = roofline_profile(shape, hw, args.context, args.efficiency)
+    return {
+        "projection": project(steps, prof, args.batch_sizes),
+        "replayed_from": {"files": [Path(p).name for p in args.groundtruth], "steps": len(steps)},
+    }

@@ -1,0 +1,83 @@
+"""The batch-wide allocation projected from replayed steps (`sssd plan --groundtruth`):
+calibration/allocation_replay.py's steps and serving/planning/allocation.py's projection."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_planner import linear_profile
+
+import sssd
+from sssd.calibration.allocation_replay import ReplaySteps, replay_steps
+from sssd.calibration.replay import Example
+from sssd.serving.planning.allocation import fitted_gamma, project
+
+
+def chain_steps(n_steps: int, accept: bool, length: int = 8) -> ReplaySteps:
+    steps = ReplaySteps()
+    for _ in range(n_steps):
+        steps.scores.append(np.linspace(0.9, 0.3, length))
+        steps.parents.append(np.arange(length) - 1)
+        steps.accepted.append(np.arange(length + 1) if accept else np.zeros(length + 1, np.int64))
+    return steps
+
+
+def test_a_projection_spends_where_drafts_are_accepted_and_nothing_where_none_are():
+    cheap = linear_profile(0.05, 0.0002)
+    good = project(chain_steps(50, True), cheap, [1, 16], draws=50)
+    bad = project(chain_steps(50, False), cheap, [1, 16], draws=50)
+    assert all(r["speedup"] > 1.5 and r["nodes_per_row"] > 1 for r in good)
+    assert good[0]["gamma"] < 1 < bad[0]["gamma"]
+    assert all(r["nodes_per_row"] == 0 and r["speedup"] == 1.0 for r in bad)
+    with pytest.raises(ValueError, match="no replayed steps"):
+        project(ReplaySteps(), cheap, [1])
+
+
+def test_replayed_steps_know_what_each_prefix_of_a_tree_would_accept():
+    rng = np.random.default_rng(0)
+    phrase = rng.integers(100, 900, 40).tolist()
+    ex = Example(np.array(phrase * 2, np.int64), np.array(phrase[:30], np.int64))  # the answer copies
+    steps = replay_steps(sssd.Drafter(None, budget=64), [ex], budget=64, stride=5)
+    assert len(steps) == 6
+    for s, p, acc in zip(steps.scores, steps.parents, steps.accepted):
+        assert acc.size == s.size + 1 and acc[0] == 0 and np.all(np.diff(acc) >= 0)
+        assert np.all(p < np.arange(p.size))  # parents first
+    assert max(int(a[-1]) for a in steps.accepted) >= 10  # the copy is followed deep
+    assert fitted_gamma(steps) < 1.5
+
+
+def test_sssd_plan_prints_the_allocation_beside_the_budget_per_batch_size(tmp_path):
+    rng = np.random.default_rng(1)
+    phrase = rng.integers(100, 900, 40).tolist()
+    gt = tmp_path / "gt.jsonl"
+    header = {"format": "sssd-groundtruth", "version": 1, "dataset": "synthetic", "tokenizer": {}}
+    records = [
+        {"id": str(i), "prompt_ids": phrase * 2, "output_ids": phrase[i : i + 30], "finish": "length"} for i in range(3)
+    ]
+    gt.write_text("\n".join(json.dumps(x) for x in [header, *records]) + "\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "sssd.cli",
+        "plan",
+        "--hardware",
+        "h200",
+        "--groundtruth",
+        str(gt),
+        "--datastore",
+        "none",
+    ]
+    r = subprocess.run([*cmd, "--batch-sizes", "1", "64", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["allocation_replayed_from"]["steps"] > 0
+    assert [row["allocation"]["batch"] for row in out["projection"]] == [1, 64]
+    assert all(row["allocation"]["speedup"] >= 1.0 for row in out["projection"])
+    r = subprocess.run([*cmd, "--batch-sizes", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "alloc speedup" in r.stdout
+    r = subprocess.run([*cmd[:-4], "--groundtruth", str(tmp_path / "missing.jsonl")], capture_output=True, text=True)
+    assert r.returncode != 0 and "no such file" in r.stderr
