@@ -40,7 +40,7 @@ import numpy as np
 #: Score bins (log-spaced) in which verified nodes are counted.
 EDGES = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 16)[:-1], [1.0 + 1e-6]])
 CENTERS = np.sqrt(np.maximum(EDGES[:-1], 3e-4) * EDGES[1:]).clip(3e-4, 1.0)
-GAMMA_RANGE = (1 / 16, 16.0)
+GAMMA_RANGE = (1 / 16, 64.0)
 
 
 def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
