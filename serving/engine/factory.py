@@ -107,9 +107,11 @@ def follow_fixed_budget(engine) -> None:
     models say (the sparse-KV source's chain length, the deferral of a draft model)."""
     if engine.drafting is None or engine.planner.fixed is None:
         return
-    from sssd.sources import AlwaysDraft
+    from sssd.serving.planning.deferral import ARMS
+    from sssd.serving.planning.measured_choice import MeasuredChoice
 
-    engine.drafting.deferral = AlwaysDraft()
+    if hasattr(engine.drafting.deferral, "policy"):  # always drafts; what retrieval alone would do is still measured
+        engine.drafting.deferral.policy = MeasuredChoice(ARMS, fixed="always")
     for source in engine.drafting.external:
         if hasattr(source, "fixed_budget"):
             source.fixed_budget = True
