@@ -198,12 +198,17 @@ def test_mixed_greedy_and_sampled_rows_join_and_leave_mid_flight(llama):
 
 
 def test_a_cost_where_nothing_pays_makes_plain_steps(llama):
-    spec = engine(llama, linear_profile(0.001, 0.05))  # every verified token costs 50 passes' fixed part
+    from sssd.serving.planning.profile import ForwardProfile
+
+    rows, tokens = [1, 4, 16, 64], [1, 2, 5, 17, 65]
+    steep = ForwardProfile(rows, tokens, [[0.001 + 0.05 * (r * t) ** 1.5 for t in tokens] for r in rows], context=256)
+    spec = engine(llama, steep)  # a pass costs more than in proportion to its tokens: no draft token pays
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     outs = spec.generate(PROMPTS[:3], params)
     assert all(len(o.token_ids) == 20 for o in outs)
     assert set(spec.metrics.budgets) == {0}
-    assert spec.allocator.empty_steps == spec.allocator.steps > 0
+    assert spec.allocator.empty_steps == spec.allocator.steps  # any tree drafted was cut to nothing
+    assert spec.allocator.plain_steps > 0 and spec.allocator.candidate_budget(3) == 0  # or none was drafted
 
 
 def test_an_explicit_budget_is_that_budget(llama):
