@@ -32,17 +32,25 @@ class ReplaySteps:
         return len(self.scores)
 
 
-def replay_steps(drafter: sssd.Drafter, examples: Sequence[Example], budget: int = 64, stride: int = 4) -> ReplaySteps:
-    """Trees drafted every `stride` tokens of each example's output, from the true prefix."""
+def replay_steps(
+    drafter: sssd.Drafter, examples: Sequence[Example], budget: int = 64, stride: int | None = None
+) -> ReplaySteps:
+    """The steps of decoding each example's output with trees of `budget`: each step drafts from the
+    true prefix and moves on by what the whole tree accepted, plus the bonus token, as decoding
+    does. (Sampling positions evenly instead, `stride` tokens apart, over-weights long accepted runs,
+    which decoding crosses in one step.)"""
     out = ReplaySteps()
     for ex in examples:
         prompt, output = np.asarray(ex.prompt, np.int64), np.asarray(ex.output, np.int64)
-        for t in range(0, len(output) - 1, stride):
+        t = 0
+        while t < len(output) - 1:
             tree = drafter.draft_prefix(np.concatenate([prompt, output[:t]]).tolist(), budget=budget)
             batch = concat([tree])
             matched = matched_nodes(batch, [output], np.array([t]))
             depth_if_matched = np.where(matched, batch.depths, 0)
+            accepted = np.concatenate([[0], np.maximum.accumulate(depth_if_matched)]).astype(np.int64)
             out.scores.append(np.asarray(batch.scores, np.float64))
             out.parents.append(np.asarray(batch.parents, np.int64))
-            out.accepted.append(np.concatenate([[0], np.maximum.accumulate(depth_if_matched)]).astype(np.int64))
+            out.accepted.append(accepted)
+            t += stride if stride else int(accepted[-1]) + 1
     return out

@@ -33,6 +33,9 @@ def test_a_projection_spends_where_drafts_are_accepted_and_nothing_where_none_ar
     assert all(r["speedup"] > 1.5 and r["nodes_per_row"] > 1 for r in good)
     assert good[0]["gamma"] < 1 < bad[0]["gamma"]
     assert all(r["nodes_per_row"] == 0 and r["speedup"] == 1.0 for r in bad)
+    # beside it, the best single budget on the same steps: never above the allocation by more than the draws' noise
+    assert all(r["per_size_speedup"] <= r["speedup"] * 1.05 for r in good)
+    assert all(r["per_size_budget"] == 0 and r["per_size_speedup"] == 1.0 for r in bad)
     with pytest.raises(ValueError, match="no replayed steps"):
         project(ReplaySteps(), cheap, [1])
 
@@ -43,6 +46,8 @@ def test_replayed_steps_know_what_each_prefix_of_a_tree_would_accept():
     ex = Example(np.array(phrase * 2, np.int64), np.array(phrase[:30], np.int64))  # the answer copies
     steps = replay_steps(sssd.Drafter(None, budget=64), [ex], budget=64, stride=5)
     assert len(steps) == 6
+    decoded = replay_steps(sssd.Drafter(None, budget=64), [ex], budget=64)  # steps as decoding takes them
+    assert 1 <= len(decoded) < 29 and sum(int(a[-1]) + 1 for a in decoded.accepted) >= 29
     for s, p, acc in zip(steps.scores, steps.parents, steps.accepted):
         assert acc.size == s.size + 1 and acc[0] == 0 and np.all(np.diff(acc) >= 0)
         assert np.all(p < np.arange(p.size))  # parents first

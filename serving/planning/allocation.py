@@ -455,20 +455,28 @@ def project(
     gamma: float | None = None,
 ) -> list[dict]:
     """Per batch size: the allocation's mean draft nodes per row, tokens per row and step, and
-    speedup over plain decoding under `profile` (tokens per second over plain's)."""
+    speedup over plain decoding under `profile` (tokens per second over plain's); beside it, the
+    best single budget for every row on the same steps (the per-size planner's choice)."""
     if not len(steps):
         raise ValueError("no replayed steps to project from (empty or one-token outputs)")
     g = fitted_gamma(steps) if gamma is None else float(gamma)
     rng = np.random.default_rng(seed)
+    longest = max(len(a) for a in steps.accepted)
+    # the same steps under one budget b for every row: mean accepted tokens at each b
+    per_budget = np.mean([np.concatenate([a, np.full(longest - len(a), a[-1])]) for a in steps.accepted], axis=0)
     rows = []
     for B in batches:
         plain = float(profile.times(B, np.array([1.0]))[0])
+        b_all = np.arange(longest)
+        uniform = (1.0 + per_budget) / (profile.times(B, 1.0 + b_all) / plain)
+        b_best = int(np.argmax(uniform))
 
         def cost(ks, B=B):
             return profile.times(B, (B + np.asarray(ks, dtype=np.float64)) / B)
 
         tokens = seconds = nodes = 0.0
-        for _ in range(draws):
+        n_draws = max(draws, 4096 // B)  # about as many rows at every batch size (accepted lengths are heavy-tailed)
+        for _ in range(n_draws):
             idx = rng.integers(len(steps), size=B)
             values = [np.power(np.clip(steps.scores[i], 1e-6, 1.0), g) for i in idx]
             counts, k = select(values, cost, B)
@@ -479,10 +487,12 @@ def project(
         rows.append(
             {
                 "batch": B,
-                "nodes_per_row": round(nodes / (draws * B), 2),
-                "tokens_per_row_step": round(tokens / (draws * B), 3),
+                "nodes_per_row": round(nodes / (n_draws * B), 2),
+                "tokens_per_row_step": round(tokens / (n_draws * B), 3),
                 "speedup": round(rate / (B / plain), 3),
                 "gamma": round(g, 3),
+                "per_size_budget": b_best,
+                "per_size_speedup": round(float(uniform[b_best]), 3),
             }
         )
     return rows

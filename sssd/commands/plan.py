@@ -104,7 +104,11 @@ def setup(p: argparse.ArgumentParser):
             f"PROJECTION (roofline, not measured): {shape.name} on {hw.name}, context {args.context}, "
             f"{args.efficiency:.0%} of peak FLOP/s; MAT per budget replayed from {cal}"
         )
-        extra = f" {'alloc nodes/row':>16} {'alloc tok/row':>14} {'alloc speedup':>14}" if alloc else ""
+        extra = (
+            f" {'alloc nodes/row':>16} {'alloc tok/row':>14} {'alloc speedup':>14} {'same steps, 1 budget':>21}"
+            if alloc
+            else ""
+        )
         print(
             f"{'batch':>6} {'budget':>7} {'MAT':>6} {'cost':>6} {'speedup':>8} {'plain tok/s':>12} {'tok/s':>10}"
             + extra
@@ -116,6 +120,7 @@ def setup(p: argparse.ArgumentParser):
                 f"{r['plain_tokens_per_s']:>12,.0f} {r['tokens_per_s']:>10,.0f}"
                 + (
                     f" {a['nodes_per_row']:>16.2f} {a['tokens_per_row_step']:>14.2f} {a['speedup']:>13.2f}x"
+                    f" {a['per_size_speedup']:>11.2f}x (b={a['per_size_budget']})"
                     if a
                     else ""
                 )
@@ -124,7 +129,8 @@ def setup(p: argparse.ArgumentParser):
             print(
                 f"alloc: one budget per step shared across the batch by expected acceptance, replayed from "
                 f"{alloc['replayed_from']['steps']} drafted steps of {', '.join(alloc['replayed_from']['files'])} "
-                f"(gamma {alloc['projection'][0]['gamma']}); budget/MAT/speedup: one budget per batch size"
+                f"(gamma {alloc['projection'][0]['gamma']}); 'same steps, 1 budget': the best single budget on those steps; "
+                "budget/MAT/speedup: one budget per batch size from the calibration's MAT"
             )
         print(
             "cost: forward time at budget+1 tokens per row over 1 token; speedup: MAT / cost. "
