@@ -25,6 +25,7 @@ import torch
 import sssd
 from sssd.serving.engine.metrics import timeline_entry
 from sssd.serving.engine.requests import Request
+from sssd.serving.planning.allocation import trials
 from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled, mss_trials
 from sssd.serving.verify.tree_batch import NO_SOURCE, TreeBatch, pack
 from sssd.sources import DraftRequest
@@ -341,8 +342,6 @@ class DecodeStep:
 
     def _learn_acceptance(self, plan: StepPlan, outcome: _Outcome) -> None:
         """Which verified nodes were accepted, per row, for the allocation's acceptance model."""
-        from sssd.serving.planning.allocation import trials
-
         batch = plan.batch
         rows = [b for b in range(len(plan.requests)) if plan.budgets[b] > 0 and b not in outcome.errors]
         if not rows:

@@ -60,6 +60,11 @@ def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
     return np.exp(0.5 * (lo + hi))
 
 
+def worth(scores: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
+    """A node's probability of being accepted: its calibrated score ** gamma."""
+    return np.power(np.clip(scores, 1e-6, 1.0), gamma)
+
+
 def trials(scores: np.ndarray, parents: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One verified tree's trials: (conditional probabilities, outcomes) of the nodes whose parent
     was accepted. `parents` are local indices (-1: a child of the root)."""
@@ -111,7 +116,7 @@ class AcceptanceModel:
         )
 
     def worth(self, scores: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
-        return np.power(np.clip(scores, 1e-6, 1.0), gamma)
+        return worth(scores, gamma)
 
     def observe(self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray], accepted: list[np.ndarray]):
         """One step's trials (see `trials`): per row, their conditional probabilities and whether
@@ -478,7 +483,7 @@ def project(
         n_draws = max(draws, 4096 // B)  # about as many rows at every batch size (accepted lengths are heavy-tailed)
         for _ in range(n_draws):
             idx = rng.integers(len(steps), size=B)
-            values = [np.power(np.clip(steps.scores[i], 1e-6, 1.0), g) for i in idx]
+            values = [worth(steps.scores[i], g) for i in idx]
             counts, k = select(values, cost, B)
             tokens += B + sum(int(steps.accepted[i][c]) for i, c in zip(idx, counts))
             seconds += float(cost(np.array([k]))[0])
