@@ -36,6 +36,13 @@ The proposer reads its datastore and drafter settings from the environment
     SSSD_VLLM_CHAINS      "expected" (the default): chain lengths by expected acceptance
                           and measured cost, as above; "table": the older fixed rule
                           (K up to batch 4, K/2 to 16, K/4 to 64, then 1)
+    SSSD_VLLM_TIMING      a file path: write what drafting costs inside the worker there, as
+                          JSON, every SSSD_VLLM_TIMING_INTERVAL seconds (default 1): per
+                          batch-size bucket (1, 2-4, 5-16, 17-64, 65+) the propose calls, mean
+                          propose ms, mean step ms (from one call to the next) and drafting's
+                          share of the step (serving/planning/step_timing.py). "{pid}" in the
+                          path becomes the worker's process id. The proposer keeps the same
+                          summary without it (``SSSDProposer.timing``).
 
 A failure inside the proposer (a bug, a bad row) costs drafts, never vLLM's
 worker: it is logged once and that step sends no drafts.
@@ -58,6 +65,7 @@ import numpy as np
 import sssd
 from sssd.calibration_file import CalibrationFile, drafter_config_for, entries_of, load_drafter, select_entry
 from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select, trials
+from sssd.serving.planning.step_timing import StepTiming, TimingWriter
 
 log = logging.getLogger("sssd.vllm")
 CHAIN_RULES = ("expected", "table")
@@ -123,6 +131,14 @@ class SSSDProposer:
         self.sent: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # row -> (context length, tokens, scores)
         self._last: tuple[float, int] | None = None  # (when the last call returned, tokens it had verified)
         self._failed = False
+        self.timing = StepTiming()
+        self._pending: tuple[int, float, float] | None = None  # the last call: (batch, propose s, its start)
+        self._continued = 0  # rows of the current call that continue a row held from an earlier call
+        self._writer = None
+        if os.environ.get("SSSD_VLLM_TIMING"):
+            interval = float(os.environ.get("SSSD_VLLM_TIMING_INTERVAL", "1"))
+            self._writer = TimingWriter(self.timing, os.environ["SSSD_VLLM_TIMING"], interval)
+            self._writer.start()
 
     def load_model(self, model: Any) -> None:  # vLLM calls this; a model-free proposer has nothing to load
         return None
@@ -131,6 +147,7 @@ class SSSDProposer:
         held = self.rows.get(row)
         n = len(context)
         if held is not None and len(held) <= n and np.array_equal(held, context[: len(held)]):
+            self._continued += 1
             self._learn(row, context)
             if n > len(held):
                 self.drafter.extend(row, context[len(held) :])
@@ -170,6 +187,7 @@ class SSSDProposer:
         if self._last is not None:
             self.cost.observe(self._last[1], now - self._last[0])
         batch = len(sampled_token_ids)
+        self._continued = 0
         try:
             out = self._propose(batch, num_tokens_no_spec, token_ids_cpu)
         except Exception:  # noqa: BLE001 - drafts are optional; vLLM's worker must go on
@@ -179,8 +197,20 @@ class SSSDProposer:
             self.rows.clear()
             self.sent.clear()
             out = [[] for _ in range(batch)]
-        self._last = (time.perf_counter(), batch + sum(len(c) for c in out))
+        end = time.perf_counter()
+        self._time(batch, now, end)
+        self._last = (end, batch + sum(len(c) for c in out))
         return out
+
+    def _time(self, batch: int, start: float, end: float) -> None:
+        """This call's drafting time, and the previous call's whole step (its drafting and the
+        interval to this call), unless this call holds no row from before: the engine may have
+        been idle in between (serving/planning/step_timing.py)."""
+        self.timing.call(batch, end - start)
+        if self._pending is not None and self._continued:
+            last_batch, last_propose, last_start = self._pending
+            self.timing.step(last_batch, last_propose, start - last_start)
+        self._pending = (batch, end - start, start)
 
     def _propose(self, batch: int, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> list[list[int]]:
         rows = []
