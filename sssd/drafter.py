@@ -115,6 +115,15 @@ class Drafter:
         self._params: dict[DrafterConfig, Any] = {self.config: params}
         self._params_lock = threading.Lock()
 
+    @property
+    def num_threads(self) -> int:
+        """Batch drafting's OpenMP threads; set it to change them from the next call on (0: all cores)."""
+        return int(self._native.num_threads)
+
+    @num_threads.setter
+    def num_threads(self, n: int) -> None:
+        self._native.num_threads = int(n)
+
     # -- request lifecycle ------------------------------------------------
     def open(self, request_id: int, prompt: Any) -> None:
         """Starts a request with its prompt (a non-empty sequence of token ids)."""

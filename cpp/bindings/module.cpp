@@ -397,6 +397,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   py::class_<sssd::Drafter>(m, "Drafter")
       .def(py::init<DatastorePtr, sssd::DrafterParams, int>(), "datastore"_a, "params"_a,
            "num_threads"_a = 0)
+      .def_property("num_threads", &sssd::Drafter::num_threads, [](sssd::Drafter& d, int n) {
+        if (n < 0) throw std::invalid_argument("num_threads must be >= 0 (0: all cores), got " + std::to_string(n));
+        d.set_num_threads(n);
+      }, "batch drafting's OpenMP threads (set: from the next call on; 0: all cores)")
       .def("open", [](sssd::Drafter& d, py::handle rid, const py::array& prompt) {
         const uint64_t id = request_id(rid);
         const Tokens p(prompt, "prompt");
@@ -436,7 +440,6 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
            "request_id"_a)
       .def("request_memory", [](const sssd::Drafter& d, py::handle rid) { return d.request_memory(request_id(rid)); },
            "request_id"_a)
-      .def_property_readonly("num_threads", &sssd::Drafter::num_threads)
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
                        py::object external, const sssd::DrafterParams* params) {
         const RequestIds id_span(ids);

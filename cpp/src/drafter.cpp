@@ -61,6 +61,10 @@ void check_params(const DrafterParams& p) {
                  p.vocab_size);
 }
 
+void Drafter::set_num_threads(int num_threads) {
+  threads_.store(resolve_threads(num_threads), std::memory_order_relaxed);
+}
+
 Drafter::Drafter(std::shared_ptr<const Datastore> datastore, DrafterParams params, int num_threads)
     : datastore_(std::move(datastore)), params_(std::move(params)), threads_(resolve_threads(num_threads)) {
   check_params(params_);
@@ -373,7 +377,7 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
   // thread only joins for at least kGroupsPerThread groups of work.
   constexpr size_t kGroupsPerThread = 4;
   const size_t groups = (n + kInterleave - 1) / kInterleave;
-  const int threads = std::max(1, std::min<int>(threads_, int(groups / kGroupsPerThread)));
+  const int threads = std::max(1, std::min<int>(threads_.load(std::memory_order_relaxed), int(groups / kGroupsPerThread)));
   ExceptionCapture capture;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {

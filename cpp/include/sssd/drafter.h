@@ -7,6 +7,7 @@
 // and close() take it exclusively (they are O(tokens) and short).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <shared_mutex>
@@ -115,7 +116,10 @@ class Drafter {
 
   const DrafterParams& params() const { return params_; }
   const std::shared_ptr<const Datastore>& datastore() const { return datastore_; }
-  int num_threads() const { return threads_; }
+  int num_threads() const { return threads_.load(std::memory_order_relaxed); }
+  /// Batch drafting's OpenMP threads from the next call on (an engine lowers them while other
+  /// processes hold cores, so that its threads do not spin against them); 0: all cores.
+  void set_num_threads(int num_threads);
 
   /// Throws std::invalid_argument naming the first token id outside the
   /// vocabulary (or the separator id).
@@ -135,7 +139,7 @@ class Drafter {
 
   std::shared_ptr<const Datastore> datastore_;
   DrafterParams params_;
-  int threads_;
+  std::atomic<int> threads_;
   mutable std::shared_mutex mu_;
   std::unordered_map<uint64_t, std::unique_ptr<RequestTrie>> requests_;
 };
