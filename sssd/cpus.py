@@ -12,6 +12,13 @@ layer (10-100x slower passes, not a few percent).
 ``available_cpus`` is the smaller of the affinity mask and the quota, at
 least 1; ``threads_for`` checks a requested thread count against it. No torch
 here: the command line checks ``--threads`` before anything loads.
+
+The cores a process may use are not the cores it gets: beside a busy
+neighbour, two threads on two cores wait for each other at every barrier (a
+SmolLM2 pass: 40 ms alone, 264 ms with 2 threads beside one spinning
+process, 56 ms with 1). ``Contention`` watches the other processes' load on
+this process's CPUs and gives the thread count that fits beside it, lower
+while they hold cores, back up when they leave.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,3 +192,141 @@ def threads_for(
         )
         return each
     return n
+
+
+def _process_table() -> dict[int, tuple[int, int, int, int]]:
+    """pid -> (parent pid, CPU clock ticks used (user + system), nice, last CPU) of every live
+    process, from /proc (empty where there is none)."""
+    table = {}
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            # after the name: state ppid ... utime(11) stime(12) ... nice(16) ... processor(36)
+            table[int(entry.name)] = (
+                int(fields[1]),
+                int(fields[11]) + int(fields[12]),
+                int(fields[16]),
+                int(fields[36]),
+            )
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def _own_tree(table: dict[int, tuple[int, int, int, int]], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, row in table.items():
+        children.setdefault(row[0], []).append(pid)
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def competing_ticks(cpus: set[int] | None = None) -> dict[int, int] | None:
+    """pid -> CPU clock ticks used so far, for every live process that competes with this one for
+    the CPU: not this process or one it started (pipeline stages), not niced below it (those yield
+    their core to it), last run on one of `cpus` (None: any). None where /proc cannot be read.
+    Two samples' difference (`competing_seconds`) is the CPU time the others took meanwhile."""
+    table = _process_table()
+    if not table:
+        return None
+    me = os.getpid()
+    ours = _own_tree(table, me)
+    nice = table[me][2] if me in table else 0
+    return {
+        pid: ticks
+        for pid, (_, ticks, n, cpu) in table.items()
+        if pid not in ours and n <= nice and (cpus is None or cpu in cpus)
+    }
+
+
+def competing_seconds(before: dict[int, int] | None, after: dict[int, int] | None) -> float | None:
+    """CPU seconds the competing processes used between two `competing_ticks` samples (a process
+    that started meanwhile counts all its time; one that ended, what it used before the first)."""
+    if before is None or after is None:
+        return None
+    ticks = sum(max(0, t - before.get(pid, 0)) for pid, t in after.items())
+    return ticks / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+class Contention:
+    """Other processes' load on the CPUs this process may use, and the thread count that fits.
+
+    `update()` (cheap; call it at every step) samples every `interval` seconds the CPU time that
+    competing processes (competing_ticks: not this process or its children, not niced below it)
+    took on this process's CPUs, as cores. Threads follow the cores left free, rounded: down at
+    once when other processes hold a core, back up after `recover` quiet samples in a row. Never
+    below 1 or above `threads`.
+
+    Args:
+        threads: the count to run with on a quiet machine.
+        interval: seconds between samples.
+        recover: quiet samples before threads go back up.
+        sample: () -> a competing_ticks sample (tests give their own).
+    """
+
+    #: Other processes' load (cores) above which a core counts as taken.
+    TAKEN = 0.5
+
+    def __init__(
+        self,
+        threads: int,
+        interval: float = 1.0,
+        recover: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        sample: Callable[[], dict[int, int] | None] | None = None,
+    ):
+        self.threads = self.current = max(1, int(threads))
+        self.interval, self.recover, self.clock = interval, recover, clock
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = None
+        self.cores = min(len(cpus) if cpus else (os.cpu_count() or 1), available_cpus())
+        mine_only = cpus is not None and len(cpus) < (os.cpu_count() or 1)
+        self._sample = sample or (lambda: competing_ticks(cpus if mine_only else None))
+        self.others = 0.0  # other processes' load in the last sample, in cores
+        self._quiet_samples = 0
+        self._last = (self.clock(), self._sample())
+
+    @property
+    def contended(self) -> bool:
+        """Whether other processes held a core in the last sample."""
+        return self.others > self.TAKEN
+
+    def update(self) -> int | None:
+        """Samples if `interval` has passed; returns the new thread count when it changes, else None."""
+        t0, before = self._last
+        now = self.clock()
+        if now - t0 < self.interval:
+            return None
+        after = self._sample()
+        self._last = (now, after)
+        used = competing_seconds(before, after)
+        if used is None:
+            return None
+        self.others = used / (now - t0)
+        fits = max(1, min(self.threads, int(self.cores - self.others + 0.5)))
+        if fits < self.current:
+            self._quiet_samples = 0
+            self.current = fits
+            return fits
+        if fits > self.current:
+            self._quiet_samples += 1
+            if self._quiet_samples >= self.recover:
+                self._quiet_samples = 0
+                self.current = fits
+                return fits
+        else:
+            self._quiet_samples = 0
+        return None

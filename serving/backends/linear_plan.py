@@ -46,6 +46,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -187,9 +188,16 @@ def _best_pair(linear_fn, transposed_fn, rounds: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
-@torch.inference_mode()
 def measure(model: torch.nn.Module, rounds: int = 3, log=None) -> LinearPlan:
-    """Times F.linear against the transposed form for each distinct weight shape of `model`'s
+    """measure_steps at once."""
+    from sssd.serving.planning.profile import run_steps
+
+    return run_steps(measure_steps(model, rounds, log))
+
+
+def measure_steps(model: torch.nn.Module, rounds: int = 3, log=None):
+    """A generator yielding after each (shape, row count) timing and returning the LinearPlan
+    (so that an engine can take it between requests). Times F.linear against the transposed form for each distinct weight shape of `model`'s
     linear layers at each ROW_GRID row count. One timed call applies every layer of that shape in
     turn, with its real weights, as a forward pass does: a weight is then read from memory, not
     from a cache it would fit in alone (which favours F.linear's matrix-vector path)."""
@@ -203,9 +211,11 @@ def measure(model: torch.nn.Module, rounds: int = 3, log=None) -> LinearPlan:
     for shape, ws in weights.items():
         row = []
         for m in ROW_GRID:
-            x = torch.randn(m, shape[1], generator=gen).to(ws[0].dtype)
-            a, b = _best_pair(lambda: [F.linear(x, w) for w in ws], lambda: [transposed(x, w) for w in ws], rounds)
+            with torch.inference_mode():
+                x = torch.randn(m, shape[1], generator=gen).to(ws[0].dtype)
+                a, b = _best_pair(lambda: [F.linear(x, w) for w in ws], lambda: [transposed(x, w) for w in ws], rounds)
             row.append(a / b)
+            yield
         ratios[shape] = row
         if log:
             log(
@@ -216,7 +226,15 @@ def measure(model: torch.nn.Module, rounds: int = 3, log=None) -> LinearPlan:
 
 
 def refine(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: int = 5, log=None) -> LinearPlan:
-    """Chooses, at each grid row count m, the fastest of the MODES for whole forward passes:
+    """refine_steps at once."""
+    from sssd.serving.planning.profile import run_steps
+
+    return run_steps(refine_steps(model, plan, time_rows, rounds, log))
+
+
+def refine_steps(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: int = 5, log=None):
+    """A generator yielding after each grid row count (`model`'s layers then follow `plan` as it
+    stands) and returning `plan`. Chooses, at each grid row count m, the fastest of the MODES for whole forward passes:
     `time_rows(m)` runs one pass that feeds every linear layer m rows (with the layers as
     installed) and returns its seconds, or None where m rows do not fit. The modes are timed in
     interleaved rounds (a busy neighbour slows all alike) and compared by their medians. Leaves
@@ -242,6 +260,8 @@ def refine(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: int = 5,
                 if r:
                     times[mode].append(t)
         plan.modes.pop(m, None)
+        install(model, plan)
+        yield
         if not all(times.values()):
             continue
         best = min(times, key=lambda mode: float(np.median(times[mode])))
@@ -262,39 +282,82 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def load_or_measure(
-    model: torch.nn.Module, identity: dict, log=None, force: bool = False, time_rows=None, busy_ok: bool = False
-) -> LinearPlan:
-    """The cached plan for this model and machine (`identity`: what its timings depend on), measured
-    on first use and again when the cached one is unreadable or was measured beside a busy process
-    (unless `busy_ok`: pipeline stages measure side by side, each beside the others). With
-    `time_rows` (see refine), a new plan is refined in whole forward passes."""
-    from sssd.serving.planning.profile import Conditions, _noisy_share, cpu_model, store
+def plan_path(model: torch.nn.Module, identity: dict) -> tuple[Path, dict]:
+    """Where the plan of `model` on this machine is cached, and the identity its name hashes."""
+    from sssd.serving.planning.profile import cpu_model
 
     shapes = sorted({tuple(m.weight.shape) for m in linears(model)})
     ident = dict(identity, shapes=shapes, machine=platform.machine(), cpu=cpu_model(), plan_version=PLAN_VERSION)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = profiles_dir() / f"linear-{key}.json"
-    if path.is_file() and not force:
-        try:
-            plan = LinearPlan.from_dict(json.loads(path.read_text()))
-            other = plan.meta.get("conditions", {}).get("other_processes_cpu_share")
-            if set(plan.ratios) == set(shapes) and (busy_ok or other is None or other <= _noisy_share()):
-                return plan
-            problem = (
-                "it was measured beside a busy process" if set(plan.ratios) == set(shapes) else "its shapes differ"
-            )
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            problem = f"it cannot be read ({e})"
-        if log:
-            log(f"re-measuring the cached linear plan {path.name}: {problem}")
+    return profiles_dir() / f"linear-{key}.json", ident
+
+
+def cached(model: torch.nn.Module, identity: dict, log=None, busy_ok: bool = False) -> LinearPlan | None:
+    """The cached plan where it can be trusted (measured on a quiet machine, or `busy_ok`); None,
+    with one log line saying why where there is a file, where there is none or it is not."""
+    from sssd.serving.planning.profile import _noisy_share
+
+    path, ident = plan_path(model, identity)
+    if not path.is_file():
+        return None
+    try:
+        plan = LinearPlan.from_dict(json.loads(path.read_text()))
+        other = plan.meta.get("conditions", {}).get("other_processes_cpu_share")
+        if set(plan.ratios) != set(ident["shapes"]):
+            problem = "its shapes differ"
+        elif busy_ok or other is None or other <= _noisy_share():
+            return plan
+        else:
+            problem = f"other processes used {other:.0%} of the CPU while it was measured"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        problem = f"it cannot be read ({type(e).__name__}: {e})"
+    if log:
+        log(f"ignoring the cached linear plan {path.name}: {problem}")
+    return None
+
+
+def finish(model: torch.nn.Module, identity: dict, plan: LinearPlan, cond, busy_ok: bool = False) -> str | None:
+    """Records how `plan` was measured and caches it where it can be trusted; returns why not
+    (then it is neither cached nor to be used) or None."""
+    from sssd.serving.planning.profile import _noisy_share, store
+
+    path, ident = plan_path(model, identity)
+    plan.meta = {"identity": ident, "conditions": cond.record}
+    other = cond.record.get("other_processes_cpu_share")
+    if not busy_ok and other is not None and other > _noisy_share():
+        return f"other processes used {other:.0%} of the CPU while it was measured"
+    store(path, plan.to_dict())
+    return None
+
+
+def load_or_measure(
+    model: torch.nn.Module, identity: dict, log=None, force: bool = False, time_rows=None, busy_ok: bool = False
+) -> LinearPlan | None:
+    """The cached plan for this model and machine (`identity`: what its timings depend on), measured
+    at once on first use and again when the cached one is unreadable or was measured beside a busy
+    process (unless `busy_ok`: pipeline stages measure side by side, each beside the others). With
+    `time_rows` (see refine), a new plan is refined in whole forward passes. A plan measured beside
+    a busy process is not used (None: torch's layers) and not cached."""
+    from sssd.serving.planning.profile import Conditions
+
+    if not force:
+        plan = cached(model, identity, log, busy_ok)
+        if plan is not None:
+            return plan
     with Conditions() as cond:
         plan = measure(model, log=log)
         if time_rows is not None:
             refine(model, plan, time_rows, log=log)
-    plan.meta = {"identity": ident, "conditions": cond.record}
-    store(path, plan.to_dict())
-    return plan
+    problem = finish(model, identity, plan, cond, busy_ok)
+    if problem is None:
+        return plan
+    install(model, None)
+    import logging
+
+    logging.getLogger("sssd.measure").warning(
+        "the linear plan is not used (%s); torch's own layers until it is measured again", problem
+    )
+    return None
 
 
 def plan_key(plan: LinearPlan | None) -> str | None:

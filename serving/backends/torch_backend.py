@@ -145,6 +145,9 @@ class TorchBackend(VerifierBackend):
         threads: torch intra-op threads (None: torch's default).
         plan_linears: let each linear layer pick its CPU kernel by row count as measured on this
             machine (linear_plan.py; also off with SSSD_LINEAR_PLAN=off).
+        measure_now: measure a plan that is not cached yet here, before the first pass (True), or
+            leave it to `linear_plan_steps`, which an engine takes between requests (False: torch's
+            layers until then).
         log: where progress goes (the linear plan's first measurement).
     """
 
@@ -158,6 +161,7 @@ class TorchBackend(VerifierBackend):
         threads: int | None = None,
         plan_linears: bool = True,
         log=None,
+        measure_now: bool = True,
     ):
         self.device = devices.resolve(device)  # before anything loads: a one-line error naming what is here
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
@@ -231,10 +235,16 @@ class TorchBackend(VerifierBackend):
                 "Lower --max-running (slots) or --max-model-len (tokens per slot).",
             ) from None
         self._threads = threads
+        #: a linear plan is to be measured (linear_plan_steps) before the layers follow one
+        self.linear_plan_pending = False
         if plan_linears and linear_plan.enabled(self.device):
-            self.linear_plan = linear_plan.load_or_measure(
-                self.model, self._weights_identity(), log=log, time_rows=self._time_rows
-            )
+            if measure_now:
+                self.linear_plan = linear_plan.load_or_measure(
+                    self.model, self._weights_identity(), log=log, time_rows=self._time_rows
+                )
+            else:
+                self.linear_plan = linear_plan.cached(self.model, self._weights_identity(), log=log)
+                self.linear_plan_pending = self.linear_plan is None
             linear_plan.install(self.model, self.linear_plan)
 
     def _load(self, path: Path) -> torch.nn.Module:
@@ -463,6 +473,22 @@ class TorchBackend(VerifierBackend):
         t0 = time.perf_counter()
         self.collect(self.launch(slice(0, 1), batch, np.ones(1, dtype=bool)))
         return time.perf_counter() - t0
+
+    def linear_plan_steps(self, log=None):
+        """The linear plan's measurement in pieces: a generator (yielding after each timing; the
+        layers change as it refines) that returns the LinearPlan. Run it only while no request is
+        in flight; then `adopt_linear_plan`."""
+        plan = yield from linear_plan.measure_steps(self.model, log=log)
+        return (yield from linear_plan.refine_steps(self.model, plan, self._time_rows, log=log))
+
+    def adopt_linear_plan(self, plan, conditions) -> str | None:
+        """Caches and installs a plan measured by linear_plan_steps under `conditions`; returns why it
+        is not trusted (then torch's layers stay) or None."""
+        problem = linear_plan.finish(self.model, self._weights_identity(), plan, conditions)
+        self.linear_plan = None if problem else plan
+        self.linear_plan_pending = problem is not None
+        linear_plan.install(self.model, self.linear_plan)
+        return problem
 
     def _weights_identity(self) -> dict:
         return weights_identity(self._path, self.dtype, self.device, self._config_dict)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import sssd
 
@@ -14,6 +15,8 @@ DEFAULT_DRAFT = ("retrieval",)
 DRAFT_MODES = ("serial", "async")
 #: How an engine without a fixed budget shares verification (EngineConfig.allocation).
 ALLOCATIONS = ("batch", "per-size")
+#: When the machine's measurements are taken (EngineConfig.measure).
+MEASURE_WHEN = ("background", "now")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class EngineConfig:
         allocation: "batch" (the default) or "per-size" (see budget).
         dtype / device / threads: how the model runs.
         reprofile: measure the planner's forward-time profile again instead of using the cached one.
+        measure: when the machine's measurements that are not cached yet (the linear plan, the
+            forward profile) are taken: "background" (the default; $SSSD_MEASURE overrides it):
+            between requests, piece by piece, the engine serving from the start with torch's layers
+            and a conservative cost model until they are in and trusted
+            (planning/measurements.py); "now": before the engine's first request, as it starts.
         datastore_residency: how the datastores' pages are kept in memory (sssd.datastore.RESIDENCY):
             "warm" (read in at start, the default), "lock" (also pinned: never reclaimed) or "lazy".
         draft_mode: "serial" drafts each step before its forward pass; "async" grows the next
@@ -54,6 +62,7 @@ class EngineConfig:
     device: str | None = None
     threads: int | None = None
     reprofile: bool = False
+    measure: str = field(default_factory=lambda: os.environ.get("SSSD_MEASURE", "background"))
     datastore_residency: str = "warm"
     pipeline_stages: int = 1
     draft_mode: str = "serial"
@@ -94,6 +103,8 @@ class EngineConfig:
             raise ValueError(
                 f"threads must be an int >= 1, got {self.threads!r} (None: the cores this process may use)"
             )
+        if self.measure not in MEASURE_WHEN:
+            raise ValueError(f"measure must be one of {', '.join(MEASURE_WHEN)}, got {self.measure!r}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.budget is not None and not 0 <= self.budget <= int(sssd._core.MAX_BUDGET):

@@ -19,8 +19,17 @@ from sssd.sources import DraftPipeline, RetrievalSource, parse_specs
 
 
 def log(msg: str) -> None:
-    """Start-up progress (the linear plan's and the forward profile's measurements) on stderr."""
+    """Start-up progress on stderr: one line per phase, and what a measurement was (not) used for."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def detail(msg: str) -> None:
+    """The details of a measurement (each linear plan shape, each profiled row count): on stderr
+    with SSSD_VERBOSE=1 (`sssd serve -v`), else dropped."""
+    import os
+
+    if os.environ.get("SSSD_VERBOSE", "").strip() not in ("", "0"):
+        log(msg)
 
 
 def build_backend(path: Path, config: EngineConfig):
@@ -55,7 +64,8 @@ def build_backend(path: Path, config: EngineConfig):
         device=config.device,
         # torch's own count (OMP_NUM_THREADS where set) capped at the affinity mask and cgroup quota
         threads=threads_for(config.threads, default=torch.get_num_threads()),
-        log=log,
+        log=detail if config.measure == "now" else log,
+        measure_now=config.measure == "now",
     )
 
 
@@ -86,9 +96,63 @@ def build_planner(engine):
         engine.config,
         speculate=engine.drafting is not None,
         calibration=engine.drafter_configs,
-        profile=lambda: engine.backend.profile(log=log, force=engine.config.reprofile),
+        profile=lambda: start_profile(engine.backend, engine.config),
         draft_cost=draft_cost,
     )
+
+
+def start_profile(backend, config: EngineConfig):
+    """The forward profile an engine starts planning with: measured now (measure "now"), or the
+    cached one where it can be trusted, else the conservative prior until the measurement taken
+    between requests is in (build_measurements)."""
+    from sssd.serving.planning import profile
+
+    if config.measure == "now":
+        return backend.profile(log=detail, force=config.reprofile)
+    prof = None if config.reprofile else profile.cached(backend, log)
+    return prof if prof is not None else profile.prior(backend)
+
+
+def build_contention(engine):
+    """The monitor of other processes' load on the engine's CPUs (sssd.cpus.Contention) that the
+    engine's threads follow; None on GPUs, with pipeline stages (their processes keep their own
+    count) or with SSSD_FOLLOW_LOAD=0."""
+    import os
+
+    import torch
+
+    from sssd.cpus import Contention
+
+    if engine.config.pipeline_stages > 1 or getattr(engine.backend, "device", None) != torch.device("cpu"):
+        return None
+    if os.environ.get("SSSD_FOLLOW_LOAD", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    return Contention(engine.config.threads or torch.get_num_threads())
+
+
+def build_measurements(engine):
+    """The measurements the engine takes between requests (planning/measurements.py): the linear
+    plan where none is cached, the forward profile where the planner started from the prior.
+    None when there is nothing to measure."""
+    from sssd.serving.planning.measurements import BackgroundMeasurements
+
+    planner = engine.planner
+    want_profile = planner.fixed is None and bool(planner.profile.meta.get("prior"))
+    if not want_profile and not getattr(engine.backend, "linear_plan_pending", False):
+        return None
+
+    def on_profile(prof) -> None:
+        planner.use_profile(prof)
+        if engine.allocator is not None:
+            engine.allocator.use_time(prof.times)
+
+    jobs = BackgroundMeasurements(
+        engine.backend, want_profile, on_profile, quiet=lambda: not engine.contended(), log=log
+    )
+    if engine.config.reprofile:
+        for job in jobs.jobs:
+            job.cached = None
+    return jobs if jobs.pending else None
 
 
 def build_allocator(engine):

@@ -94,6 +94,10 @@ class LLMEngine:
         #: the step's verification budget shared across the batch (None: a fixed or per-size budget)
         self.allocator = factory.build_allocator(self)
         factory.follow_fixed_budget(self)
+        #: other processes' load on this engine's CPUs, which its threads follow (None: not followed)
+        self.contention = factory.build_contention(self)
+        #: the linear plan and forward profile, taken between requests (None: nothing to measure)
+        self.measurements = factory.build_measurements(self)
         self.scheduler = Scheduler(self.backend, self.config.max_running, self.config.prefill_chunk)
         self._ids = itertools.count()
         #: the random stream of sampled requests that bring no seed of their own
@@ -196,9 +200,50 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.slots)
 
+    # -- the machine -------------------------------------------------------------------
+    def contended(self) -> bool:
+        """Whether other processes held one of this engine's cores in the last second."""
+        return self.contention is not None and self.contention.contended
+
+    def follow_load(self) -> None:
+        """Fits the threads (torch's and batch drafting's) to the cores other processes leave free:
+        fewer while a neighbour holds a core (threads that wait for a core stall every barrier),
+        back up when it leaves (sssd.cpus.Contention). Cheap: it samples once a second."""
+        if self.contention is None:
+            return
+        changed = self.contention.update()
+        n = self.contention.current
+        if torch.get_num_threads() != n:  # per thread: the engine may step on another thread than it measures on
+            torch.set_num_threads(n)
+            if self.drafting is not None:
+                self.drafting.drafter.num_threads = n
+        if changed is not None:
+            log.info(
+                "%s: other processes use %.1f of %d cores; running %d thread%s",
+                "contention" if n < self.contention.threads else "quiet again",
+                self.contention.others,
+                self.contention.cores,
+                n,
+                "s" if n != 1 else "",
+            )
+
+    def idle(self, seconds: float = 0.25) -> bool:
+        """Work for a moment with no request in flight: follows the load and takes a piece of the
+        pending start-up measurements (planning/measurements.py) for about `seconds`. Returns
+        whether measurements are still pending (call again soon) — False when there is a request
+        in flight, or nothing to measure."""
+        self.follow_load()
+        if self.measurements is None or self.has_unfinished():
+            return False
+        if not self.measurements.run(seconds):
+            self.measurements = None
+            return False
+        return True
+
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: admit, prefill a chunk, decode one speculative step."""
+        self.follow_load()
         self.scheduler.admit(self.open_draft)
         if self.scheduler.prefilling():
             self.scheduler.prefill(self.metrics)

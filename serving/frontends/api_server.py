@@ -296,7 +296,12 @@ def create_app(
     async def health(request: Request):
         if not engine.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+        return {
+            "status": "ok",
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            **engine.machine_status(),
+        }
 
     @app.get("/v1/models")
     async def models():

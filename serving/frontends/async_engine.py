@@ -58,9 +58,13 @@ class AsyncEngine:
                 while self._aborts:
                     self.engine.abort(self._aborts.popleft())
                 busy = self.engine.has_unfinished()
+                # between requests: a piece of the start-up measurements (a request that arrives
+                # meanwhile waits for at most that piece)
+                measuring = not busy and self._idle_work()
             if not busy:
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
+                if not measuring:
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
                 continue
             try:
                 with self._lock:
@@ -71,6 +75,14 @@ class AsyncEngine:
                 outputs = self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
+
+    def _idle_work(self) -> bool:
+        try:
+            return self.engine.idle(0.2)
+        except Exception:  # noqa: BLE001 - a measurement never takes the server down
+            log.exception("measuring between requests failed; serving without it")
+            self.engine.measurements = None
+            return False
 
     def _abort_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
         with self._lock:
@@ -219,6 +231,16 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.engine.waiting)
+
+    def machine_status(self) -> dict:
+        """What /health says of the machine: the measurements still taken between requests, and
+        the threads the engine runs while other processes' load on its cores takes some."""
+        e = self.engine
+        out: dict = {"measuring": e.measurements.status()["pending"] if e.measurements is not None else []}
+        if e.contention is not None:
+            out["threads"] = e.contention.current
+            out["other_load_cores"] = round(e.contention.others, 2)
+        return out
 
     @property
     def num_running(self) -> int:

@@ -11,6 +11,9 @@ first use (``import sssd`` never loads torch).
 
 from __future__ import annotations
 
+import atexit
+import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -62,6 +65,44 @@ class LLM:
             draft=draft,
             config=EngineConfig(speculate=speculate, budget=budget, **engine),
         )
+        # The start-up measurements the engine does not have yet (the linear plan, the forward
+        # profile) are taken on a thread of their own while no generate() runs (a piece at a time:
+        # generate waits for at most one piece), and used from the next generate() on.
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()  # a generate() waits for the engine
+        self._stop = threading.Event()
+        self._measurer: threading.Thread | None = None
+        if self.engine.measurements is not None:
+            self._measurer = threading.Thread(target=self._measure, name="sssd-measure", daemon=True)
+            self._measurer.start()
+            atexit.register(self.close)
+
+    def _measure(self) -> None:
+        while not self._stop.is_set():
+            if self._wanted.is_set():
+                time.sleep(0.01)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    pending = self.engine.idle(0.2)
+                except Exception:  # noqa: BLE001 - measuring never breaks generation
+                    import logging
+
+                    logging.getLogger("sssd.serving").exception("measuring between generate() calls failed")
+                    self.engine.measurements = None
+                    pending = False
+            if not pending and self.engine.measurements is None:
+                return
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stops the measuring thread (waits for its current piece); the engine stays usable."""
+        self._stop.set()
+        if self._measurer is not None and self._measurer is not threading.current_thread():
+            self._measurer.join()
+        self._measurer = None
 
     def generate(
         self,
@@ -72,7 +113,16 @@ class LLM:
         """Generates for each prompt (a text, token ids, or chat messages); outputs in order."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]  # one prompt: a text, token ids or one conversation
-        return self.engine.generate(list(prompts), sampling_params, use_tqdm=use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+        self._wanted.set()
+        try:
+            with self._lock:
+                self._wanted.clear()
+                return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        finally:
+            self._wanted.clear()
 
     def chat(
         self,
@@ -83,7 +133,7 @@ class LLM:
         """Generates the assistant's reply to each conversation (chat template applied)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.engine.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+        return self._run(list(conversations), sampling_params, use_tqdm)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -243,6 +243,15 @@ class BatchAllocator:
         self._plain_rows: dict[int, float] = {}  # the rows of the measured plain steps (mean)
         self.steps = self.empty_steps = self.plain_steps = 0
 
+    def use_time(self, time: Callable[[int, np.ndarray], np.ndarray]) -> None:
+        """Allocates by `time` from now on (a measured profile replacing the prior): what was
+        fitted to the old one (its scale, the cost caps, the gain it measured) starts afresh; the
+        measured plain steps, overheads and acceptance stay."""
+        self.time = time
+        self._scale.clear()
+        self._caps.clear()
+        self._gain.clear()
+
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, int(batch) - 1).bit_length()

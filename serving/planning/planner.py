@@ -132,6 +132,13 @@ class BudgetPlanner:
             return cls(fixed=config.budget)
         return cls(fixed=None, mat=mat_from_calibration(calibration), profile=profile(), draft_cost=draft_cost)
 
+    def use_profile(self, profile: ForwardProfile) -> None:
+        """Plans with `profile` from now on (a measured one replacing the prior): the model's choices
+        are made again, and the measured rates, taken under the old plan, start afresh."""
+        self.profile = profile
+        self.choices.clear()
+        self.buckets.clear()
+
     @property
     def max_budget(self) -> int:
         return self.fixed if self.fixed is not None else max(self.mat)

@@ -1,12 +1,15 @@
 """Forward-pass cost profiles: measured on this machine, cached, and checked.
 
 A ForwardProfile holds seconds per forward pass by (rows, tokens per row),
-interpolated in log space. `measure` times any VerifierBackend over
-synthetic chains; `load_or_measure` caches the result per backend identity
-(model, dtype, device, threads, slots, machine) with the conditions it was
-measured under, and measures again when those were noisy (another process
-held the CPU) or the times are not monotone. roofline.py builds the same
-type from a hardware model instead.
+interpolated in log space. `measure_steps` times any VerifierBackend over
+synthetic chains, one point per step, so that an engine can take it between
+requests (planning/measurements.py); `load_or_measure` takes it at once.
+Either caches the result per backend identity (model, dtype, device, threads,
+slots, machine) with the conditions it was measured under, and only when it
+can be trusted (`profile_problem`: no other process held the CPU, the times
+are monotone and consistent). `prior` is the conservative cost model an
+engine plans with until then; roofline.py builds the same type from a GPU's
+datasheet.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sssd.cpus import competing_seconds, competing_ticks
 from sssd.files import write_atomic
 from sssd.paths import profiles_dir
 
@@ -36,6 +40,8 @@ NOISY_SHARE = 0.25
 #: Times that fall by more than half (and by over 2 ms) as the work grows betray a hiccup.
 _HICCUP = (0.5, 0.002)
 PROFILE_VERSION = 2
+#: A profile point's passes are repeated until they add up to this many seconds (at most 8).
+SHORT_PASSES_SECONDS = 0.03
 
 
 @dataclass
@@ -94,9 +100,27 @@ class ForwardProfile:
 
 
 def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardProfile:
-    """Times forward passes of a backend over synthetic chains at each (rows, tokens).
+    """Times forward passes of a backend over synthetic chains at each (rows, tokens) at once
+    (measure_steps, run to its end)."""
+    return run_steps(measure_steps(backend, context, repeats, log))
 
-    Points where speculation cannot pay are not measured but extrapolated
+
+def run_steps(steps):
+    """Runs a measurement generator (measure_steps, linear_plan.measure_steps) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def measure_steps(backend, context: int = 256, repeats: int = 2, log=None):
+    """Times forward passes of a backend over synthetic chains at each (rows, tokens); a generator
+    that yields after each point (so that an engine can take a profile between requests) and
+    returns the ForwardProfile.
+
+    The passes use the backend's first slots: run it only while no request holds one. Points
+    where speculation cannot pay are not measured but extrapolated
     linearly: along a row, once a step of t tokens costs STOP_RATIO times a
     1-token step (no drafter accepts that many tokens per step on average);
     and the larger row counts, once even the 5-token step costs that much.
@@ -121,6 +145,7 @@ def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardP
 
     for _ in range(2):  # the first passes pay one-off costs (allocation, kernel selection)
         run(1, 5)
+    yield
     for r in rows:
         if seconds and len(tokens) > 4 and seconds[-1][4] > STOP_RATIO * seconds[-1][0]:
             break  # not even a 4-token draft pays at this batch size: extrapolate the rest
@@ -128,12 +153,16 @@ def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardP
         for t in tokens:
             if row_times and row_times[-1] > STOP_RATIO * row_times[0]:
                 break
-            best = float("inf")
-            for _ in range(repeats):
-                best = min(best, run(r, t))
+            best, spent, n = float("inf"), 0.0, 0
+            # best of `repeats`, and of more where passes are short (a scheduler hiccup of a few
+            # ms is many of them): at least SHORT_PASSES_SECONDS of passes, up to 8
+            while n < repeats or (spent < SHORT_PASSES_SECONDS and n < 8):
+                took = run(r, t)
+                best, spent, n = min(best, took), spent + took, n + 1
                 if best > 0.5:
                     break  # long enough to time once
             row_times.append(best)
+            yield
         measured = len(row_times)
         row_times += [row_times[-1] * t / tokens[measured - 1] for t in tokens[measured:]]
         seconds.append(row_times)
@@ -145,6 +174,35 @@ def measure(backend, context: int = 256, repeats: int = 2, log=None) -> ForwardP
     last, base = rows[len(seconds) - 1], seconds[-1]
     seconds += [[s * r / last for s in base] for r in rows[len(seconds) :]]
     return ForwardProfile(rows, tokens, seconds, context)
+
+
+#: The prior's cost of one more token in a pass, as a share of a one-token pass, per byte of a
+#: weight: a CPU pass reads every weight once (memory-bound at one token) and does 2 flops per
+#: weight per token, so one more token costs about bandwidth / (2 x flops per second) of the pass,
+#: 0.15 for float32 on the 2-core AMD EPYC measured here (4-16 tokens; less beyond). The prior
+#: takes a dearer token than measured (0.8 / bytes: 0.2 for float32), so that it speculates where
+#: speculation clearly pays (small batches) and not where it might not.
+PRIOR_TOKEN_SHARE = 0.8
+#: A GPU's flops per byte are ~30x a CPU's: one more token is a far smaller share of a pass.
+PRIOR_TOKEN_SHARE_GPU = 0.02
+#: The prior's one-token pass: the weights read at this many bytes per second (a low CPU figure:
+#: the allocation rescales it by the steps it measures).
+PRIOR_BANDWIDTH = 10e9
+
+
+def prior(backend, context: int = 256) -> ForwardProfile:
+    """A conservative forward-cost model from the model's size alone, for an engine to plan with
+    until its profile is measured: a pass of N tokens in all costs (1 + s (N - 1)) times a
+    one-token pass, s = PRIOR_TOKEN_SHARE / bytes per weight (see there); the one-token pass
+    reads every weight at PRIOR_BANDWIDTH. Its meta says "prior"."""
+    shape = backend.info.shape
+    width = int(shape.get("dtype_bytes", 4)) or 4
+    gpu = str(getattr(backend, "device", "cpu")).startswith("cuda")
+    share = PRIOR_TOKEN_SHARE_GPU if gpu else PRIOR_TOKEN_SHARE / width
+    base = max(float(shape.get("params", 1e8)) * width / PRIOR_BANDWIDTH, 1e-3)
+    rows = [r for r in PROFILE_ROWS if r <= max(backend.slots, 1)] or [1]
+    seconds = [[base * (1 + share * (r * t - 1)) for t in PROFILE_TOKENS] for r in rows]
+    return ForwardProfile(rows, list(PROFILE_TOKENS), seconds, context, {"prior": True, "token_share": share})
 
 
 def _chains(rows: int, n: int):
@@ -166,24 +224,6 @@ def _chains(rows: int, n: int):
 # -- measuring conditions --------------------------------------------------------------------------
 
 
-def _cpu_busy_seconds() -> float | None:
-    """CPU seconds spent busy by the whole machine (all cores) since boot, from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_seconds() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -196,27 +236,66 @@ def cpu_model() -> str:
 
 
 class Conditions:
-    """What else ran on the machine while a profile was measured."""
+    """What else ran on the machine while a measurement was taken: other processes' share of the
+    CPU (sssd.cpus.competing_ticks: not this process or the ones it started, not niced below it),
+    load, CPU model.
 
-    def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.monotonic(), _cpu_busy_seconds(), _own_cpu_seconds()
+    Used as a context manager around one measurement, or around each of its pieces (`piece`)
+    when it is taken in pieces between requests: only the time inside the pieces counts.
+    """
+
+    def __init__(self):
+        self.elapsed = 0.0
+        self.other = 0.0  # other processes' CPU seconds inside the pieces
+        self.known = True
         self.load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        self._open: tuple[float, float | None, float] | None = None
+
+    def start(self) -> None:
+        self._open = (time.monotonic(), competing_ticks())
+
+    def stop(self) -> None:
+        if self._open is None:
+            return
+        t0, before = self._open
+        self._open = None
+        self.elapsed += max(time.monotonic() - t0, 0.0)
+        used = competing_seconds(before, competing_ticks())
+        if used is None:
+            self.known = False
+            return
+        self.other += used
+
+    def piece(self) -> Conditions:
+        """Context manager timing one piece of the measurement."""
         return self
 
-    def __exit__(self, *exc):
-        elapsed = max(time.monotonic() - self.t0, 1e-9)
-        busy1, cores = _cpu_busy_seconds(), os.cpu_count() or 1
-        other = None
-        if self.busy0 is not None and busy1 is not None:
-            other = max(0.0, (busy1 - self.busy0) - (_own_cpu_seconds() - self.own0)) / (elapsed * cores)
-        self.record = {
+    @property
+    def share(self) -> float | None:
+        """Other processes' share of the machine's CPU so far (None: unknown)."""
+        if not self.known:
+            return None
+        return self.other / (max(self.elapsed, 1e-9) * (os.cpu_count() or 1))
+
+    @property
+    def record(self) -> dict:
+        """The conditions as stored beside a measurement."""
+        other = self.share
+        return {
             "measured_unix": int(time.time()),
-            "seconds": round(elapsed, 2),
+            "seconds": round(self.elapsed, 2),
             "cpu_model": cpu_model(),
-            "cores": cores,
+            "cores": os.cpu_count() or 1,
             "loadavg_1m_before": self.load0,
             "other_processes_cpu_share": None if other is None else round(other, 3),
         }
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
         return False
 
 
@@ -224,8 +303,18 @@ def _noisy_share() -> float:
     return float(os.environ.get("SSSD_PROFILE_NOISY_SHARE", NOISY_SHARE))
 
 
+#: Doubling the rows (or the tokens) of a pass at most doubles its work; a time that grows by more
+#: than this times the work's growth was taken while the pass waited for a core (a 2-row pass
+#: measured at 14x a 1-row one beside a busy process).
+GROWTH_SLACK = 2.0
+
+
 def profile_problem(prof: ForwardProfile) -> str | None:
-    """Why a cached profile should not be trusted (None: it looks sound)."""
+    """Why a profile should not be trusted (None: it looks sound): measured beside a busy process,
+    or times that fall as the work grows, or grow far faster than it (a measurement that waited
+    for the CPU)."""
+    if prof.meta.get("prior"):
+        return "it is the prior, not a measurement"
     if "conditions" not in prof.meta:
         return "it records no measuring conditions (measured by an older sssd)"
     other = prof.meta["conditions"].get("other_processes_cpu_share")
@@ -240,31 +329,66 @@ def profile_problem(prof: ForwardProfile) -> str | None:
         return "its 1-token times fall as the batch grows (a measuring hiccup)"
     if any(falls(row[0], row[-1]) for row in prof.seconds):
         return "its times fall as the tokens per row grow (a measuring hiccup)"
+    for (r0, a), (r1, b) in zip(zip(prof.rows, one), zip(prof.rows[1:], one[1:])):
+        if b > GROWTH_SLACK * (r1 / r0) * a and b - a > _HICCUP[1]:
+            return f"a {r1}-row pass took {b / a:.1f}x a {r0}-row one (it waited for the CPU)"
+    for r, row in zip(prof.rows, prof.seconds):
+        for (t0, a), (t1, b) in zip(zip(prof.tokens, row), zip(prof.tokens[1:], row[1:])):
+            if b > GROWTH_SLACK * (t1 / t0) * a and b - a > _HICCUP[1]:
+                return f"at {r} rows, {t1} tokens took {b / a:.1f}x {t0} tokens (it waited for the CPU)"
     return None
 
 
-def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
-    """The cached profile for this backend on this machine, measured on first use.
-
-    It is measured again when asked (`force`), or when the cached one is not
-    trustworthy (profile_problem: measured beside a busy process, not
-    monotone, or from an older format). The measuring conditions (other
-    processes' CPU share, load, CPU model) are stored beside the times, and a
-    noisy measurement says so.
-    """
+def profile_path(backend) -> tuple[Path, dict]:
+    """Where the backend's profile is cached, and the identity its name hashes (model, dtype,
+    device, threads, slots, linear plan, machine, CPU model, torch)."""
     ident = dict(backend.identity(), machine=platform.machine(), cpu=cpu_model(), profile_version=PROFILE_VERSION)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = profiles_dir() / f"forward-{key}.json"
-    if path.is_file() and not force:
-        try:
-            prof = ForwardProfile.from_dict(json.loads(path.read_text()))
-            problem = profile_problem(prof)
-            if problem is None:
-                return prof
-            if log:
-                log(f"re-measuring the cached forward profile {path.name}: {problem}")
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    return profiles_dir() / f"forward-{key}.json", ident
+
+
+def cached(backend, log=None) -> ForwardProfile | None:
+    """The backend's cached profile where it can be trusted; None (with one log line saying why
+    when there is a file) where there is none, it cannot be read or it is not trusted."""
+    path, _ = profile_path(backend)
+    if not path.is_file():
+        return None
+    try:
+        prof = ForwardProfile.from_dict(json.loads(path.read_text()))
+        problem = profile_problem(prof)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"it cannot be read ({type(e).__name__}: {e})"
+    if problem is None:
+        return prof
+    if log:
+        log(f"ignoring the cached forward profile {path.name}: {problem}")
+    return None
+
+
+def finish(backend, prof: ForwardProfile, cond: Conditions) -> str | None:
+    """Records how `prof` was measured and caches it where it can be trusted; returns why not
+    (then it is not cached) or None."""
+    _, ident = profile_path(backend)
+    prof.meta = {"model": backend.info.path, "identity": ident, "conditions": cond.record}
+    problem = profile_problem(prof)
+    if problem is None:
+        store(profile_path(backend)[0], prof.to_dict())
+    return problem
+
+
+def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
+    """The cached profile for this backend on this machine, measured at once on first use.
+
+    It is measured again when asked (`force`), or when the cached one is not
+    trustworthy (profile_problem). A new measurement is cached only where it can be trusted; one
+    taken beside a busy process is not used either: the engine plans with the prior (never with
+    garbage) and says so.
+    """
+    if not force:
+        prof = cached(backend, log)
+        if prof is not None:
+            return prof
+    path, _ = profile_path(backend)
     if log:
         log(
             f"profiling the forward pass of {backend.info.path} (cached in {path.parent}; "
@@ -272,15 +396,17 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
         )
     with Conditions() as cond:
         prof = measure(backend, log=log)
-    prof.meta = {"model": backend.info.path, "identity": ident, "conditions": cond.record}
-    other = cond.record["other_processes_cpu_share"]
-    if log and other is not None and other > _noisy_share():
-        log(
-            f"WARNING: other processes used {other:.0%} of the CPU while profiling: the planner's costs may be "
-            f"wrong. This profile will be measured again at the next start; run on a quiet machine."
-        )
-    store(path, prof.to_dict())
-    return prof
+    problem = finish(backend, prof, cond)
+    if problem is None:
+        return prof
+    import logging
+
+    logging.getLogger("sssd.measure").warning(
+        "the forward profile is not trusted (%s); planning with the conservative prior instead. It will be "
+        "measured again; measure it on a quiet machine.",
+        problem,
+    )
+    return prior(backend)
 
 
 def store(path, data: dict) -> None:

@@ -112,6 +112,24 @@ def setup(p: argparse.ArgumentParser):
         "(do it on a quiet machine)",
     )
     p.add_argument(
+        "--measure",
+        default=os.environ.get("SSSD_MEASURE", "background"),
+        choices=("background", "now"),
+        help="when this machine's measurements that are not cached yet are taken (the linear plan: "
+        "which kernel each layer takes by row count; the forward profile the budget plan uses): "
+        "background serves at once, with torch's layers and a conservative cost model, and takes "
+        "them between requests, piece by piece, swapping them in once trusted (one taken beside a "
+        "busy process is dropped and tried again later); now takes them before serving (about half "
+        "a minute for the default model on 2 quiet cores) (default: $SSSD_MEASURE, else background)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print the details of start-up (each linear plan and profile measurement) and the "
+        "thread changes under load",
+    )
+    p.add_argument(
         "--datastore-residency",
         default="warm",
         choices=("lazy", "warm", "lock"),
@@ -147,7 +165,9 @@ def setup(p: argparse.ArgumentParser):
         "makes threads that wait at a barrier sleep instead of spinning: kinder to a busy neighbour, "
         "slower on a quiet machine; set it before the server starts. SSSD_LINEAR_PLAN=off leaves the "
         "linear layers to torch (no linear-plan measurement); SSSD_PROFILE_DIR moves the cached forward "
-        "profiles and linear plans out of <sssd cache>/profiles" % _cores_here(),
+        "profiles and linear plans out of <sssd cache>/profiles. While other processes hold some of "
+        "these cores, the engine runs fewer threads (it samples the load once a second; back up when "
+        "they leave); SSSD_FOLLOW_LOAD=0 keeps the count fixed" % _cores_here(),
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -322,6 +342,9 @@ def _serve(args: argparse.Namespace) -> int:
         level=("DEBUG" if args.log_level == "trace" else args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "verbose", False):
+        os.environ["SSSD_VERBOSE"] = "1"  # the measurements' details (serving/engine/factory.py)
+        logging.getLogger("sssd").setLevel(logging.INFO)
     draft = [] if args.no_speculate or args.draft.strip().lower() == "none" else args.draft
     speculate = bool(draft)
     datastore = None if args.datastore == "none" else args.datastore
@@ -348,6 +371,7 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=threads,
         reprofile=args.reprofile,
+        measure=getattr(args, "measure", "background"),
         datastore_residency=args.datastore_residency,
         draft_mode=args.draft_mode,
         pipeline_stages=getattr(args, "pipeline_stages", 1),
@@ -359,6 +383,12 @@ def _serve(args: argparse.Namespace) -> int:
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
     mode = plan_summary(engine.planner, speculate, (1, 4, 16, args.max_running))
+    measuring = engine.measurements.status()["pending"] if engine.measurements is not None else []
+    if measuring:
+        mode += (
+            f" (provisional: the {' and the '.join(measuring)} "
+            f"{'are' if len(measuring) > 1 else 'is'} measured between requests, then used)"
+        )
     print(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.backend.device}, {args.dtype}); "
         f"speculation: {mode}",
