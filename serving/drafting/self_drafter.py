@@ -90,11 +90,12 @@ PRIOR_RATE = 0.7
 
 def cost_file(backend: Any) -> Path:
     """Where the cost model measured for this backend's model, dtype and device is kept
-    (benchmarks/bench_magicdec.py --fit writes it; the engine's self sources read it)."""
-    from sssd.paths import cache_dir
+    (benchmarks/bench_magicdec.py --fit writes it; the engine's self sources read it): beside the
+    forward profiles, in $SSSD_PROFILE_DIR where that is set (the test suite's own folder)."""
+    from sssd.paths import profiles_dir
 
     name = f"selfspec-{Path(backend.info.path).name}-{str(backend.dtype).replace('torch.', '')}-{backend.device}.json"
-    return cache_dir() / "profiles" / name
+    return profiles_dir() / name
 
 
 def load_cost(backend: Any, kv_budget: int) -> Any:
