@@ -8,6 +8,8 @@ finishes) run, in interleaved rounds, as:
     plain      the engine with speculation off
     batch      SSSD, one budget per step shared across the batch by expected acceptance (the default)
     per-size   SSSD, one budget per batch size for every request (the planner before the allocation)
+    X-fixed-threads   X (plain, batch or per-size) with the thread count fixed instead of following
+               other processes' load (SSSD_FOLLOW_LOAD=0): what the load-following policy costs
 
 Greedy, float32; every SSSD output is checked token-identical to plain. Reported per batch size and
 configuration: tokens/s, its ratio to plain within the same round, tokens per step (per row), draft
@@ -38,6 +40,8 @@ from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from sssd.serving.engine.params import SamplingParams  # noqa: E402
 
 MIXED = ["mtbench", "gsm8k", "humaneval", "code-edits", "agent-traces", "quoting"]
+#: A configuration name ending in this runs with the thread count fixed (no load following).
+FIXED = "-fixed-threads"
 
 
 def mixed_prompts(sets: list[str], n: int, skip: int = 0, fits=None) -> list[tuple[str, list]]:
@@ -114,15 +118,28 @@ def main() -> int:
     max_b = max(args.batch_sizes)
     engines = {}
     for c in args.configs:
-        if c == "plain":
+        base = c.removesuffix(FIXED)
+        if base == "plain":
             continue
         engines[c] = LLMEngine(
             args.model,
             config=EngineConfig(
-                max_running=max_b, max_model_len=args.max_model_len, allocation=c, threads=args.threads
+                max_running=max_b, max_model_len=args.max_model_len, allocation=base, threads=args.threads
             ),
         )
-    plain_engine = next(iter(engines.values()))
+        if c.endswith(FIXED):
+            engines[c].contention = None
+    if not engines:
+        engines["batch"] = LLMEngine(
+            args.model, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads)
+        )
+    plain_engine = next((e for c, e in engines.items() if not c.endswith(FIXED)), next(iter(engines.values())))
+    fixed_plain = next((e for c, e in engines.items() if c.endswith(FIXED)), None)
+    if fixed_plain is None and "plain" + FIXED in args.configs:
+        fixed_plain = LLMEngine(
+            args.model, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads)
+        )
+        fixed_plain.contention = None
     room = args.max_model_len - args.max_tokens - 66  # the answer and one draft tree
 
     def fits(messages) -> bool:
@@ -134,7 +151,7 @@ def main() -> int:
             return False
 
     warm = mixed_prompts(args.sets, 2, skip=50, fits=fits)  # first calls (prefill shapes, the profile) stay out
-    for eng in engines.values():
+    for eng in [*engines.values(), *([fixed_plain] if fixed_plain is not None else [])]:
         for speculate in (False, True):
             eng.generate([p for _, p in warm], SamplingParams(max_tokens=8, speculate=speculate))
     print(f"machine: {json.dumps(machine())}", flush=True)
@@ -145,9 +162,12 @@ def main() -> int:
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             res = {}
             for c in order:
-                eng = plain_engine if c == "plain" else engines[c]
+                if c.removesuffix(FIXED) == "plain":
+                    eng = fixed_plain if c.endswith(FIXED) else plain_engine
+                else:
+                    eng = engines[c]
                 eng.scheduler.max_running = B  # the slots stay allocated for the largest batch
-                res[c] = run(eng, prompts, args.max_tokens, speculate=c != "plain")
+                res[c] = run(eng, prompts, args.max_tokens, speculate=c.removesuffix(FIXED) != "plain")
             base = res.get("plain")
             for c in args.configs:
                 x = res[c]
