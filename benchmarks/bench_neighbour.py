@@ -418,7 +418,7 @@ def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
     """One fresh server with an empty profile cache: start-up, first request, the load phases."""
     import httpx
 
-    profiles = Path(tempfile.mkdtemp(prefix="sssd-profiles-"))
+    profiles = profile_dir(args, engine)
     env = dict(os.environ, SSSD_PROFILE_DIR=str(profiles))
     env.pop("SSSD_MEASURE", None)
     port = free_port()
@@ -478,13 +478,30 @@ def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
         print(f"  {mode:6} {engine:5} FAILED: {e}", flush=True)
     finally:
         stop(proc)
-        shutil.rmtree(profiles, ignore_errors=True)
+        if args.profiles == "empty":
+            shutil.rmtree(profiles, ignore_errors=True)
     return row
 
 
+#: --profiles shared: one profile folder per engine for the whole run (removed at its end)
+SHARED: dict[str, Path] = {}
+
+
+def profile_dir(args, engine: str) -> Path:
+    """The SSSD_PROFILE_DIR of one start: a new empty one (--profiles empty: every start is a first
+    start), or the engine's folder for the whole run (--profiles shared: what the first, quiet mode
+    measured between requests is cached for the later modes, as on a server restarted beside a
+    neighbour after it measured on a quiet moment)."""
+    if args.profiles == "empty":
+        return Path(tempfile.mkdtemp(prefix="sssd-profiles-"))
+    if engine not in SHARED:
+        SHARED[engine] = Path(tempfile.mkdtemp(prefix=f"sssd-profiles-{engine}-"))
+    return SHARED[engine]
+
+
 def run_llm(args, mode: str, engine: str, prompts) -> dict:
-    """sssd.LLM in a subprocess with an empty profile cache."""
-    profiles = Path(tempfile.mkdtemp(prefix="sssd-profiles-"))
+    """sssd.LLM in a subprocess with an empty profile cache (or the shared one)."""
+    profiles = profile_dir(args, engine)
     env = dict(os.environ, SSSD_PROFILE_DIR=str(profiles))
     env.pop("SSSD_MEASURE", None)
     cfg = {"speculate": engine == "sssd", "prompts": prompts, "max_tokens": args.max_tokens, "threads": args.threads}
@@ -517,7 +534,8 @@ def run_llm(args, mode: str, engine: str, prompts) -> dict:
         print(f"  {mode:6} LLM {engine:5} FAILED: {e}", flush=True)
     finally:
         stop(proc)
-        shutil.rmtree(profiles, ignore_errors=True)
+        if args.profiles == "empty":
+            shutil.rmtree(profiles, ignore_errors=True)
     return row
 
 
@@ -583,6 +601,14 @@ def main() -> int:
         help="after the first request, wait up to this many seconds for /health's 'measuring' to empty "
         "(the background linear plan and forward profile) before the load phase; records settle_s "
         "(None: not settled). Default 0: load at once, as a user right after start-up would",
+    )
+    ap.add_argument(
+        "--profiles",
+        choices=("empty", "shared"),
+        default="empty",
+        help="empty: every start has an empty profile cache (a first start); shared: one cache per "
+        "engine for the run, filled by the first mode's background measurements (use --settle), so "
+        "the later modes start as a server that measured on a quiet moment",
     )
     ap.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a server may take to answer /health")
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/out/bench_neighbour.json)")
@@ -656,6 +682,8 @@ def main() -> int:
                     stop(neighbour, grace=5.0)
     finally:
         stop_all()
+        for folder in SHARED.values():
+            shutil.rmtree(folder, ignore_errors=True)
     total_s = round(time.perf_counter() - t_all, 1)
     for r in rows:
         for lv in r["levels"].values():
