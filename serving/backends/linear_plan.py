@@ -259,9 +259,9 @@ def refine_steps(model: torch.nn.Module, plan: LinearPlan, time_rows, rounds: in
                     break
                 if r:
                     times[mode].append(t)
-        plan.modes.pop(m, None)
-        install(model, plan)
-        yield
+            plan.modes.pop(m, None)
+            install(model, plan)
+            yield  # a round of passes: a piece of a few hundred milliseconds at most
         if not all(times.values()):
             continue
         best = min(times, key=lambda mode: float(np.median(times[mode])))

@@ -103,13 +103,13 @@ def build_planner(engine):
 
 def start_profile(backend, config: EngineConfig):
     """The forward profile an engine starts planning with: measured now (measure "now"), or the
-    cached one where it can be trusted, else the conservative prior until the measurement taken
-    between requests is in (build_measurements)."""
+    cached one where it can be trusted (with reprofile too, until the new one is in), else the
+    conservative prior until the measurement taken between requests is in (build_measurements)."""
     from sssd.serving.planning import profile
 
     if config.measure == "now":
         return backend.profile(log=detail, force=config.reprofile)
-    prof = None if config.reprofile else profile.cached(backend, log)
+    prof = profile.cached(backend, log)  # with reprofile too: the last trusted one until the new one is in
     return prof if prof is not None else profile.prior(backend)
 
 
@@ -137,7 +137,7 @@ def build_measurements(engine):
     from sssd.serving.planning.measurements import BackgroundMeasurements
 
     planner = engine.planner
-    want_profile = planner.fixed is None and bool(planner.profile.meta.get("prior"))
+    want_profile = planner.fixed is None and (bool(planner.profile.meta.get("prior")) or engine.config.reprofile)
     if not want_profile and not getattr(engine.backend, "linear_plan_pending", False):
         return None
 

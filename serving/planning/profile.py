@@ -381,8 +381,8 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
 
     It is measured again when asked (`force`), or when the cached one is not
     trustworthy (profile_problem). A new measurement is cached only where it can be trusted; one
-    taken beside a busy process is not used either: the engine plans with the prior (never with
-    garbage) and says so.
+    taken beside a busy process is not used either: the engine plans with the last trusted one, or
+    the prior (never with garbage), and says so.
     """
     if not force:
         prof = cached(backend, log)
@@ -401,12 +401,13 @@ def load_or_measure(backend, log=None, force: bool = False) -> ForwardProfile:
         return prof
     import logging
 
+    last = cached(backend)
     logging.getLogger("sssd.measure").warning(
-        "the forward profile is not trusted (%s); planning with the conservative prior instead. It will be "
-        "measured again; measure it on a quiet machine.",
+        "the forward profile is not trusted (%s); planning with %s instead. Measure it on a quiet machine.",
         problem,
+        "the last trusted one" if last is not None else "the conservative prior",
     )
-    return prior(backend)
+    return last if last is not None else prior(backend)
 
 
 def store(path, data: dict) -> None:
