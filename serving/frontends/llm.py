@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -75,7 +76,8 @@ class LLM:
         if self.engine.measurements is not None:
             self._measurer = threading.Thread(target=self._measure, name="sssd-measure", daemon=True)
             self._measurer.start()
-            atexit.register(self.close)
+            me = weakref.ref(self)  # the exit hook does not keep the engine alive
+            atexit.register(lambda: (llm := me()) is not None and llm.close())
 
     def _measure(self) -> None:
         while not self._stop.is_set():
