@@ -62,9 +62,10 @@ class AsyncEngine:
                 # meanwhile waits for at most that piece)
                 measuring = not busy and self._idle_work()
             if not busy:
-                if not measuring:
-                    self._wakeup.wait(0.05)
-                    self._wakeup.clear()
+                # between pieces, a short wait: the lock goes to a handler adding a request (Python's
+                # lock does not hand over; re-taken at once, it would starve the handler)
+                self._wakeup.wait(0.005 if measuring else 0.05)
+                self._wakeup.clear()
                 continue
             try:
                 with self._lock:
