@@ -422,3 +422,23 @@ def test_the_step_cost_is_fitted_from_measured_steps():
         cost.observe(x, 0.02 + 0.001 * x)
     a, b = cost.coefficients()
     assert a == pytest.approx(0.02, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
+
+
+def test_the_step_cost_prior_follows_the_device(monkeypatch):
+    """On vLLM's CPU build one more verified token is a large share of a step (the CPU prior), on a
+    GPU a small one; a config without a device is taken for a GPU."""
+    from sssd.serving.vllm_proposer import _prior_token_share
+
+    def cfg(device, dtype=None):
+        return SimpleNamespace(
+            device_config=SimpleNamespace(device_type=device), model_config=SimpleNamespace(dtype=dtype)
+        )
+
+    import torch
+
+    cpu, gpu = _prior_token_share(cfg("cpu", torch.float32)), _prior_token_share(cfg("cuda", torch.bfloat16))
+    assert cpu == pytest.approx(0.2) and gpu == pytest.approx(0.02) and cpu > 5 * gpu
+    assert _prior_token_share(cfg("cpu", torch.bfloat16)) == pytest.approx(0.4)
+    assert _prior_token_share(SimpleNamespace()) == pytest.approx(0.02)
+    prop = _proposer(monkeypatch)
+    assert prop.cost.per_token == pytest.approx(0.02)  # the test config names no device

@@ -190,6 +190,14 @@ PRIOR_TOKEN_SHARE_GPU = 0.02
 PRIOR_BANDWIDTH = 10e9
 
 
+def prior_token_share(device: str, dtype_bytes: int = 4) -> float:
+    """The prior's cost of one more token in a pass, as a share of a one-token pass, on this kind of
+    device ("cpu", "cuda", "cuda:1", ...) at this many bytes per weight."""
+    if device.split(":")[0] in ("cuda", "hip", "xpu", "tpu"):
+        return PRIOR_TOKEN_SHARE_GPU
+    return PRIOR_TOKEN_SHARE / max(int(dtype_bytes), 1)
+
+
 def prior(backend, context: int = 256) -> ForwardProfile:
     """A conservative forward-cost model from the model's size alone, for an engine to plan with
     until its profile is measured: a pass of N tokens in all costs (1 + s (N - 1)) times a
@@ -197,8 +205,7 @@ def prior(backend, context: int = 256) -> ForwardProfile:
     reads every weight at PRIOR_BANDWIDTH. Its meta says "prior"."""
     shape = backend.info.shape
     width = int(shape.get("dtype_bytes", 4)) or 4
-    gpu = str(getattr(backend, "device", "cpu")).startswith("cuda")
-    share = PRIOR_TOKEN_SHARE_GPU if gpu else PRIOR_TOKEN_SHARE / width
+    share = prior_token_share(str(getattr(backend, "device", "cpu")), width)
     base = max(float(shape.get("params", 1e8)) * width / PRIOR_BANDWIDTH, 1e-3)
     rows = [r for r in PROFILE_ROWS if r <= max(backend.slots, 1)] or [1]
     seconds = [[base * (1 + share * (r * t - 1)) for t in PROFILE_TOKENS] for r in rows]
