@@ -478,8 +478,7 @@ def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
         print(f"  {mode:6} {engine:5} FAILED: {e}", flush=True)
     finally:
         stop(proc)
-        if args.profiles == "empty":
-            shutil.rmtree(profiles, ignore_errors=True)
+        release_profile_dir(args, profiles)
     return row
 
 
@@ -497,6 +496,12 @@ def profile_dir(args, engine: str) -> Path:
     if engine not in SHARED:
         SHARED[engine] = Path(tempfile.mkdtemp(prefix=f"sssd-profiles-{engine}-"))
     return SHARED[engine]
+
+
+def release_profile_dir(args, folder: Path) -> None:
+    """Removes a start's profile folder (--profiles empty); a shared one stays for the run."""
+    if args.profiles == "empty":
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_llm(args, mode: str, engine: str, prompts) -> dict:
@@ -534,8 +539,7 @@ def run_llm(args, mode: str, engine: str, prompts) -> dict:
         print(f"  {mode:6} LLM {engine:5} FAILED: {e}", flush=True)
     finally:
         stop(proc)
-        if args.profiles == "empty":
-            shutil.rmtree(profiles, ignore_errors=True)
+        release_profile_dir(args, profiles)
     return row
 
 

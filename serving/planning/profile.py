@@ -375,11 +375,11 @@ def cached(backend, log=None) -> ForwardProfile | None:
 def finish(backend, prof: ForwardProfile, cond: Conditions) -> str | None:
     """Records how `prof` was measured and caches it where it can be trusted; returns why not
     (then it is not cached) or None."""
-    _, ident = profile_path(backend)
+    path, ident = profile_path(backend)
     prof.meta = {"model": backend.info.path, "identity": ident, "conditions": cond.record}
     problem = profile_problem(prof)
     if problem is None:
-        store(profile_path(backend)[0], prof.to_dict())
+        store(path, prof.to_dict())
     return problem
 
 
