@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
 from tiny_models import tiny_model
 
 from sssd.cpus import Contention, competing_seconds, competing_ticks
+from sssd.serving.backends import linear_plan
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
 from sssd.serving.planning import measurements, profile
@@ -156,8 +158,9 @@ def test_an_engine_serves_at_once_and_adopts_its_measurements_between_requests(l
     assert eng.backend.linear_plan is not None and not eng.backend.linear_plan_pending
     assert not eng.planner.profile.meta.get("prior")
     assert profile_problem(eng.planner.profile) is None
-    cached = sorted(p.name.split("-")[0] for p in profiles.glob("*.json"))
-    assert cached == ["forward", "linear"]
+    # this engine's own files (another test's engine still measuring may write beside them)
+    assert profile.profile_path(eng.backend)[0].is_file()
+    assert linear_plan.plan_path(eng.backend.model, eng.backend._weights_identity())[0].is_file()
     # outputs stay plain decoding's (the layers changed kernels; greedy is still greedy)
     plain = engine(llama, speculate=False)
     assert (
@@ -191,6 +194,8 @@ def test_a_measurement_beside_a_busy_process_is_dropped_retried_later_then_given
     for attempt in range(len(measurements.RETRY_AFTER)):
         assert jobs.run(0.1)
         assert plan.attempts == attempt + 1 and plan in jobs.jobs
+        # nothing is due before the retry (the profile waits for the plan)
+        assert jobs.due_in() == pytest.approx(measurements.RETRY_AFTER[attempt])
         assert jobs.run(0.1) and plan.attempts == attempt + 1  # not due yet: no new attempt
         assert all(j.attempts == 0 for j in jobs.jobs[1:])  # the profile waits for the layers it measures
         clock[0] += measurements.RETRY_AFTER[attempt] + 0.1
@@ -212,7 +217,7 @@ def test_a_busy_machine_takes_no_piece(llama, profiles):
 def test_a_bad_cached_profile_is_ignored_with_one_line_and_measured_again(llama, profiles, damage, capsys):
     eng = engine(llama)
     settle(eng)
-    [path] = profiles.glob("forward-*.json")
+    path = profile.profile_path(eng.backend)[0]  # its own (another engine may write beside it)
     text = path.read_text()
     if damage == "truncated":
         path.write_text(text[: len(text) // 2])
@@ -250,6 +255,20 @@ def test_sssd_llm_measures_on_its_own_thread_between_generate_calls(llama, profi
         assert len(llm.generate("w1 w2 w3", params)[0].token_ids) == len(first) == 8
     finally:
         llm.close()
+
+
+def test_a_dropped_sssd_llm_stops_measuring_and_is_freed(llama, profiles):
+    import gc
+
+    from sssd.serving.frontends.llm import LLM
+
+    llm = LLM(llama, datastore=None, max_running=4, max_model_len=256)
+    thread, gone = llm._measurer, weakref.ref(llm)
+    assert thread is not None and thread.is_alive()
+    del llm
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and gone() is None
 
 
 def test_conditions_count_only_the_time_inside_the_pieces():

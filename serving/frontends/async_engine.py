@@ -61,10 +61,12 @@ class AsyncEngine:
                 # between requests: a piece of the start-up measurements (a request that arrives
                 # meanwhile waits for at most that piece)
                 measuring = not busy and self._idle_work()
+                due = self.engine.measurements.due_in() if measuring and self.engine.measurements else 0.0
             if not busy:
                 # between pieces, a short wait: the lock goes to a handler adding a request (Python's
-                # lock does not hand over; re-taken at once, it would starve the handler)
-                self._wakeup.wait(0.005 if measuring else 0.05)
+                # lock does not hand over; re-taken at once, it would starve the handler); a retry
+                # not due yet is waited for (a request wakes the loop at once)
+                self._wakeup.wait(min(max(due, 0.005), 1.0) if measuring else 0.05)
                 self._wakeup.clear()
                 continue
             try:

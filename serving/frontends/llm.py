@@ -74,30 +74,18 @@ class LLM:
         self._stop = threading.Event()
         self._measurer: threading.Thread | None = None
         if self.engine.measurements is not None:
-            self._measurer = threading.Thread(target=self._measure, name="sssd-measure", daemon=True)
+            # The thread holds the LLM weakly: an LLM the caller drops stops measuring and frees
+            # its model, instead of living on until its last retry is due.
+            self._measurer = threading.Thread(
+                target=_measure_between_calls,
+                args=(weakref.ref(self), self._lock, self._wanted, self._stop),
+                name="sssd-measure",
+                daemon=True,
+            )
             self._measurer.start()
             me = weakref.ref(self)  # the exit hook does not keep the engine alive
             atexit.register(lambda: (llm := me()) is not None and llm.close())
-
-    def _measure(self) -> None:
-        while not self._stop.is_set():
-            if self._wanted.is_set():
-                time.sleep(0.01)
-                continue
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                try:
-                    pending = self.engine.idle(0.2)
-                except Exception:  # noqa: BLE001 - measuring never breaks generation
-                    import logging
-
-                    logging.getLogger("sssd.serving").exception("measuring between generate() calls failed")
-                    self.engine.measurements = None
-                    pending = False
-            if not pending and self.engine.measurements is None:
-                return
-            time.sleep(0.02)
+            weakref.finalize(self, self._stop.set)
 
     def close(self) -> None:
         """Stops the measuring thread (waits for its current piece); the engine stays usable."""
@@ -157,3 +145,34 @@ def _fit_threads(engine: dict) -> dict:
 
         default = torch.get_num_threads()
     return dict(engine, threads=threads_for(requested, default=default, share=stages, what="threads"))
+
+
+def _measure_between_calls(
+    ref: weakref.ref, lock: threading.Lock, wanted: threading.Event, stop: threading.Event
+) -> None:
+    """The body of an LLM's measuring thread: pieces of the engine's pending measurements while no
+    generate() runs, until none is pending, the LLM is closed, or it is gone."""
+    while not stop.is_set():
+        if wanted.is_set():
+            time.sleep(0.01)
+            continue
+        llm = ref()
+        if llm is None:
+            return
+        with lock:
+            if stop.is_set():
+                return
+            try:
+                pending = llm.engine.idle(0.2)
+            except Exception:  # noqa: BLE001 - measuring never breaks generation
+                import logging
+
+                logging.getLogger("sssd.serving").exception("measuring between generate() calls failed")
+                llm.engine.measurements = None
+                pending = False
+            jobs = llm.engine.measurements
+            wait = jobs.due_in() if jobs is not None else 0.0
+        del llm  # held only while a piece runs
+        if not pending and jobs is None:
+            return
+        stop.wait(min(max(wait, 0.02), 1.0))  # nothing due (a retry later): poll once a second

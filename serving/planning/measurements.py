@@ -106,6 +106,17 @@ class BackgroundMeasurements:
     def pending(self) -> bool:
         return bool(self.jobs)
 
+    def due_in(self) -> float:
+        """Seconds until a piece is due: 0 while one is under way or due now."""
+        if self._running is not None or not self.jobs:
+            return 0.0
+        now, due = self.clock(), float("inf")
+        for job in self.jobs:  # in _start's order: nothing after a linear plan still to measure
+            due = min(due, job.not_before - now)
+            if job.name == "linear plan":
+                break
+        return max(0.0, due)
+
     def status(self) -> dict:
         """What is measured, done and given up (for /health and logs)."""
         return {
