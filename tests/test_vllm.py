@@ -442,3 +442,26 @@ def test_the_step_cost_prior_follows_the_device(monkeypatch):
     assert _prior_token_share(SimpleNamespace()) == pytest.approx(0.02)
     prop = _proposer(monkeypatch)
     assert prop.cost.per_token == pytest.approx(0.02)  # the test config names no device
+
+
+def test_a_step_that_prefilled_a_prompt_is_left_out_of_the_step_cost(monkeypatch):
+    """The step before a call in which a row is new (or grew by more than it could verify) also
+    prefilled a prompt: its time is not a decode step's, so the cost fit leaves it out."""
+    prop = _proposer(monkeypatch, k=4)
+    ids, n = _rows([REPEAT])
+    prop.propose([[0]], n, ids)  # the row's first call: its prompt was just prefilled
+    assert prop.cost.steps == 0
+    ctx = REPEAT + [8]
+    ids, n = _rows([ctx])
+    prop.propose([[8]], n, ids)  # a decode step
+    assert prop.cost.steps == 1
+    ids, n = _rows([ctx + [9], [1, 2, 3, 4]])  # a new request joined: its prompt went with the step
+    prop.propose([[9], [4]], n, ids)
+    assert prop.cost.steps == 1
+    ids, n = _rows([ctx + [9, 10], [1, 2, 3, 4, 5]])
+    prop.propose([[10], [5]], n, ids)
+    assert prop.cost.steps == 2
+    sent = len(prop.sent[1][1]) if 1 in prop.sent else 0
+    ids, n = _rows([ctx + [9, 10, 11], [1, 2, 3, 4, 5] + list(range(200, 202 + sent))])  # a prompt's chunk
+    prop.propose([[11], [201]], n, ids)
+    assert prop.cost.steps == 2
