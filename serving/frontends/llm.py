@@ -171,8 +171,9 @@ def _measure_between_calls(
                 llm.engine.measurements = None
                 pending = False
             jobs = llm.engine.measurements
+            done = not pending and jobs is None
             wait = jobs.due_in() if jobs is not None else 0.0
-        del llm  # held only while a piece runs
-        if not pending and jobs is None:
+        del llm, jobs  # the engine is held only while a piece runs
+        if done:
             return
         stop.wait(min(max(wait, 0.02), 1.0))  # nothing due (a retry later): poll once a second

@@ -110,12 +110,16 @@ class BackgroundMeasurements:
         """Seconds until a piece is due: 0 while one is under way or due now."""
         if self._running is not None or not self.jobs:
             return 0.0
-        now, due = self.clock(), float("inf")
-        for job in self.jobs:  # in _start's order: nothing after a linear plan still to measure
-            due = min(due, job.not_before - now)
+        now = self.clock()
+        return max(0.0, min(job.not_before - now for job in self._eligible()))
+
+    def _eligible(self):
+        """The jobs that may start, in order: none after a linear plan still to measure (the
+        profile is measured with the layers the engine will run)."""
+        for job in self.jobs:
+            yield job
             if job.name == "linear plan":
-                break
-        return max(0.0, due)
+                return
 
     def status(self) -> dict:
         """What is measured, done and given up (for /health and logs)."""
@@ -183,7 +187,7 @@ class BackgroundMeasurements:
     def _start(self) -> bool:
         """Starts the first job that is due, if the machine is quiet; whether one started."""
         now = self.clock()
-        for job in self.jobs:
+        for job in self._eligible():
             if job.not_before <= now:
                 if job.cached is not None and job.cached():
                     self.jobs.remove(job)
@@ -196,8 +200,6 @@ class BackgroundMeasurements:
                 cond = profiles.Conditions()
                 self._running = (job, job.steps(), cond)
                 return True
-            if job.name == "linear plan":
-                return False  # the profile is measured with the layers the engine will run
         return False
 
     def _drop(self, job: Job, why: str) -> None:
