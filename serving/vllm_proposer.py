@@ -31,6 +31,10 @@ The proposer reads its datastore and drafter settings from the environment
                           drafts with its entry for the tree budget, and one calibrated
                           for another datastore, tokenizer or model is replaced by the
                           defaults with a warning naming what differs.
+    SSSD_VLLM_DRAFT       the draft sources, comma-separated: "retrieval" (the default: the
+                          datastore and the request's own text) and "recent" (the other
+                          requests' recent outputs, sssd.RecentOutputs: answers that repeat
+                          across requests, as vLLM's suffix method's global tree drafts them)
     SSSD_VLLM_MIN_SCORE   never send a node whose score (a path probability) is below
                           this (default 0.01; an empty chain skips speculation for that
                           row this step)
@@ -44,6 +48,10 @@ The proposer reads its datastore and drafter settings from the environment
                           share of the step (serving/planning/step_timing.py). "{pid}" in the
                           path becomes the worker's process id. The proposer keeps the same
                           summary without it (``SSSDProposer.timing``).
+    SSSD_VLLM_STEPS       a file path ("{pid}" as above): append one JSON line per step, the
+                          step's rows, verified tokens, rows sent a chain, longest chain,
+                          seconds and whether it prefilled a prompt, for checking the step
+                          cost fit against what the steps measured
 
 A failure inside the proposer (a bug, a bad row) costs drafts, never vLLM's
 worker: it is logged once and that step sends no drafts.
@@ -56,6 +64,7 @@ request is reopened instead of extended.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -64,9 +73,12 @@ from typing import Any
 import numpy as np
 
 import sssd
-from sssd.calibration_file import CalibrationFile, drafter_config_for, entries_of, load_drafter, select_entry
+from sssd.calibration_file import CalibrationFile, entries_of, load_drafter, select_entry
+from sssd.draft_source import DraftRequest, RetrievalSource
+from sssd.recent_outputs import RecentOutputs
 from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select, trials
 from sssd.serving.planning.step_timing import StepTiming, TimingWriter
+from sssd.sources import DraftPipeline
 
 log = logging.getLogger("sssd.vllm")
 CHAIN_RULES = ("expected", "table")
@@ -84,6 +96,16 @@ def _calibration(spec: str, datastore: Any, model: Any) -> sssd.DrafterConfig | 
     if isinstance(drafter, CalibrationFile) and model:
         return drafter.checked_or_defaults(datastore, model)
     return drafter
+
+
+def _sources(spec: str, datastore: Any) -> list:
+    """SSSD_VLLM_DRAFT's sources: retrieval (the datastore, or the request's text alone without one)
+    and, with "recent", the other requests' recent outputs."""
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    unknown = sorted(set(names) - {"retrieval", "recent"})
+    if unknown or "retrieval" not in names:
+        raise ValueError(f"SSSD_VLLM_DRAFT lists retrieval and optionally recent, got {spec!r}")
+    return [RetrievalSource(datastore)] + ([RecentOutputs()] if "recent" in names else [])
 
 
 def _default_budget(drafter: sssd.DrafterConfig | CalibrationFile) -> int:
@@ -135,21 +157,28 @@ class SSSDProposer:
         entries = {b: c.replace(**fix) for b, c in entries_of(calibration).items()}
         self.tree_budget = max(_default_budget(calibration), 2 * self.k)
         self.config = entries[select_entry(list(entries), self.tree_budget)]  # the entry for the tree budget
-        self.drafter = sssd.Drafter(datastore, drafter_config_for(entries))
+        self.pipeline = DraftPipeline(
+            _sources(os.environ.get("SSSD_VLLM_DRAFT", "retrieval"), datastore), calibration, vocab
+        )
         self.min_score = float(os.environ.get("SSSD_VLLM_MIN_SCORE", "0.01"))
         self.rule = os.environ.get("SSSD_VLLM_CHAINS", "expected").strip().lower()
         if self.rule not in CHAIN_RULES:
             raise ValueError(f"SSSD_VLLM_CHAINS must be one of {', '.join(CHAIN_RULES)}, got {self.rule!r}")
         self.rows: dict[int, np.ndarray] = {}  # row -> the context the drafter holds for it
+        self.requests: dict[int, int] = {}  # row -> the id its request is open under in the pipeline
+        self._next_id = 0
         self.acceptance = AcceptanceModel()
         self.cost = MeasuredStepCost(per_token=_prior_token_share(vllm_config))
         self.sent: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # row -> (context length, tokens, scores)
-        self._last: tuple[float, int] | None = None  # (when the last call returned, tokens it had verified)
+        #: the last call: (when it returned, tokens it sent to verify, rows, rows sent a chain, longest chain)
+        self._last: tuple | None = None
         self._failed = False
         self.timing = StepTiming()
         self._pending: tuple[int, float, float] | None = None  # the last call: (batch, propose s, its start)
         self._continued = 0  # rows of the current call that continue a row held from an earlier call
         self._prefilled = 0  # rows of the current call whose last step prefilled (part of) a prompt
+        steps = os.environ.get("SSSD_VLLM_STEPS")  # the per-step trace file (a diagnostic)
+        self._steps = steps.replace("{pid}", str(os.getpid())) if steps else None
         self._writer = None
         if os.environ.get("SSSD_VLLM_TIMING"):
             interval = float(os.environ.get("SSSD_VLLM_TIMING_INTERVAL", "1"))
@@ -169,11 +198,13 @@ class SSSDProposer:
                 self._prefilled += 1  # more than the step could verify for it: a prompt's chunk
             self._learn(row, context)
             if n > len(held):
-                self.drafter.extend(row, context[len(held) :])
+                self.pipeline.extend_batch([self.requests[row]], [context[len(held) :]])
         else:
-            if row in self.drafter:
-                self.drafter.close(row)
-            self.drafter.open(row, context)
+            if row in self.requests:
+                self.pipeline.close(self.requests[row])  # (its outputs stay with the recent source)
+            self.requests[row] = self._next_id
+            self._next_id += 1
+            self.pipeline.open(self.requests[row], context)
             self.acceptance.forget(row)  # another request in this row
             self.sent.pop(row, None)
             self._prefilled += 1
@@ -213,13 +244,24 @@ class SSSDProposer:
             if not self._failed:
                 log.exception("the SSSD proposer failed; this step sends no drafts (logged once)")
                 self._failed = True
-            self.rows.clear()
+            self._forget_rows()
             self.sent.clear()
             out = [[] for _ in range(batch)]
         end = time.perf_counter()
         self._time(batch, now, end)
-        self._last = (end, batch + sum(len(c) for c in out))
+        lengths = [len(c) for c in out]
+        self._last = (end, batch + sum(lengths), batch, sum(n > 0 for n in lengths), max(lengths, default=0))
         return out
+
+    def _forget_rows(self) -> None:
+        """After a failure: every row is reopened at its next call."""
+        for rid in self.requests.values():
+            try:
+                self.pipeline.close(rid)
+            except Exception:  # noqa: BLE001, S110 - a broken request's state goes with it
+                pass
+        self.rows.clear()
+        self.requests.clear()
 
     def _time(self, batch: int, start: float, end: float) -> None:
         """This call's drafting time, and the previous call's whole step (its drafting and the
@@ -237,11 +279,23 @@ class SSSDProposer:
         of tokens are not counted in the step's size, and such a step taught the fit that draft
         tokens were nearly free (quoting's long prompts: b/a fell from 0.17 to 0.02 and SSSD sent
         1.7x suffix's draft tokens)."""
-        if self._last is not None and not self._prefilled:
+        if self._last is None:
+            return
+        if not self._prefilled:
             self.cost.observe(self._last[1], now - self._last[0])
+        if self._steps is not None:
+            end, tokens, rows, drafted, longest = self._last
+            line = {"rows": rows, "tokens": tokens, "drafted": drafted, "longest": longest}
+            line.update(seconds=round(now - end, 6), prefilled=int(self._prefilled > 0), fit=self.cost.coefficients())
+            with open(self._steps, "a") as f:  # a line at a time: the trace survives the worker
+                f.write(json.dumps(line) + "\n")
 
     def _propose(
-        self, batch: int, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, now: float
+        self,
+        batch: int,
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        now: float,
     ) -> list[list[int]]:
         rows = []
         for row in range(batch):
@@ -255,7 +309,7 @@ class SSSDProposer:
         if not rows:
             return out
         k = self.k if self.rule == "expected" else min(self.k, chain_length(batch, self.k))
-        drafts = self.drafter.draft(rows, self.tree_budget, config=self.config)
+        drafts = self.pipeline.draft([DraftRequest(self.requests[r], self.rows[r], self.tree_budget) for r in rows])
         offsets, nodes = drafts.best_chains()
         chains = []
         for i in range(len(rows)):

@@ -95,6 +95,30 @@ def test_proposer_extends_a_row_and_reopens_a_reused_row(monkeypatch):
     assert np.array_equal(prop.rows[0], fresh)
 
 
+@pytest.mark.parametrize("draft", ["retrieval", "retrieval,recent"])
+def test_a_row_drafts_another_requests_answer_with_the_recent_source(monkeypatch, draft):
+    monkeypatch.setenv("SSSD_VLLM_DRAFT", draft)
+    prop = _proposer(monkeypatch, k=6)
+    answer = [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+    ids, n = _rows([[1, 2, 3, 50, 51]])
+    prop.propose([[0]], n, ids)
+    ids, n = _rows([[1, 2, 3, 50, 51] + answer])  # row 0's request answered (the step accepted nothing sent)
+    prop.propose([[69]], n, ids)
+    ids, n = _rows([[7, 8, 9, 50, 51, 60, 61]])  # row 0 reused: another request, the same question's tail
+    out = prop.propose([[61]], n, ids)[0]
+    if draft == "retrieval":
+        assert out == []  # its own text never continues "60 61"
+    else:
+        assert out == answer[2:8]  # the first request's answer, followed to K
+
+
+def test_the_draft_sources_are_checked(monkeypatch):
+    for bad in ("recent", "retrieval,model:x", "retrieval,typo"):
+        monkeypatch.setenv("SSSD_VLLM_DRAFT", bad)
+        with pytest.raises(ValueError, match="SSSD_VLLM_DRAFT"):
+            _proposer(monkeypatch)
+
+
 def test_proposer_cuts_chains_by_score(monkeypatch):
     low = _proposer(monkeypatch, k=8, min_score=0.0)
     high = _proposer(monkeypatch, k=8, min_score=1.01)  # no node is that certain
@@ -127,7 +151,7 @@ def test_compare_figures_use_vllms_definitions():
 def test_compare_configs_verify_the_same_k():
     args = vllm_compare.argparse.Namespace(k=5, ngram_min=2, ngram_max=4)
     configs = {m: vllm_compare.speculative_config(m, args) for m in vllm_compare.METHODS}
-    assert configs.pop("plain") is None
+    assert configs.pop("plain") is None and configs.pop("plain-sync") is None
     assert {c["num_speculative_tokens"] for c in configs.values()} == {5}
     assert configs["ngram"]["prompt_lookup_min"] == 2 and configs["ngram"]["prompt_lookup_max"] == 4
     assert configs["suffix"] == {"method": "suffix", "num_speculative_tokens": 5}  # vLLM's defaults
@@ -202,6 +226,29 @@ def test_a_cell_is_summarized_over_its_rounds_against_plain_of_the_same_round():
     assert rows[5].startswith("| chat | 4 | sssd | 21.8 (15.0, 28.6) | 1.47× | 1.09× (suffix-tuned) | 3.00 | 80 | 40 |")
     assert rows[5].endswith("| 10.0% | **no** |")
     assert rows[6] == "| | | ngram | skipped: not asked | | | | | | | |"
+
+
+def test_plain_without_async_scheduling_prices_what_vllm_gives_up_for_host_proposers():
+    args = vllm_compare.argparse.Namespace(k=5, ngram_min=2, ngram_max=4)
+    assert vllm_compare.speculative_config("plain-sync", args) is None
+    assert vllm_compare.engine_options("plain-sync") == {"async_scheduling": False}
+    assert vllm_compare.engine_options("plain") == {} and vllm_compare.engine_options("suffix") == {}
+    assert vllm_compare.engine_options("sssd-recent") == {"sssd_draft": "retrieval,recent"}
+    runs = [
+        _run("plain", 0, 10.0),
+        _run("plain", 1, 20.0),
+        _run("plain-sync", 0, 8.0),
+        _run("plain-sync", 1, 16.0),
+        _run("sssd", 0, 9.0),
+        _run("sssd", 1, 20.0),
+    ]
+    cells = {c["method"]: c for c in vllm_report.cells(runs, ["plain", "plain-sync", "sssd"])}
+    assert cells["sssd"]["ratio_to_plain"] == pytest.approx(0.95)  # 0.9 and 1.0
+    assert cells["sssd"]["ratio_to_plain_sync"] == 1.188  # 1.125 and 1.25
+    assert cells["plain-sync"]["ratio_to_plain"] == 0.8 and "ratio_to_plain_sync" not in cells["plain-sync"]
+    assert "ratio_to_plain_sync" not in cells["plain"]
+    rows = vllm_report.table(list(cells.values())).splitlines()
+    assert rows[4].startswith("| chat | 4 | sssd | 14.5 (9.0, 20.0) | 0.95× (1.19× sync) |")
 
 
 def test_prompt_sets_are_split_into_disjoint_dev_and_eval_prompts():
@@ -485,3 +532,23 @@ def test_a_step_that_prefilled_a_prompt_is_left_out_of_the_step_cost(monkeypatch
     ids, n = _rows([ctx + [9, 10, 11], [1, 2, 3, 4, 5] + list(range(200, 202 + sent))])  # a prompt's chunk
     prop.propose([[11], [201]], n, ids)
     assert prop.cost.steps == 2
+
+
+def test_the_proposer_traces_each_step_for_checking_the_cost_fit(monkeypatch, tmp_path):
+    path = tmp_path / "steps-{pid}.jsonl"
+    monkeypatch.setenv("SSSD_VLLM_STEPS", str(path))
+    prop = _proposer(monkeypatch, k=4)
+    ids, n = _rows([REPEAT])
+    sent = prop.propose([[0]], n, ids)  # the prompt's step: no line until the next call measures it
+    ctx = REPEAT + [8]
+    ids, n = _rows([ctx, [1, 2, 3, 4]])  # a new request joined
+    prop.propose([[8], [4]], n, ids)
+    ids, n = _rows([ctx + [9], [1, 2, 3, 4, 5]])
+    prop.propose([[9], [5]], n, ids)
+    lines = [json.loads(x) for x in Path(str(path).replace("{pid}", str(os.getpid()))).read_text().splitlines()]
+    assert len(lines) == 2
+    first, second = lines
+    assert first["rows"] == 1 and first["tokens"] == 1 + len(sent[0]) and first["longest"] == len(sent[0])
+    assert first["drafted"] == int(len(sent[0]) > 0) and first["prefilled"] == 1  # row 1's prompt joined
+    assert second["rows"] == 2 and second["prefilled"] == 0 and second["seconds"] > 0
+    assert prop.cost.steps == 1 and second["fit"] == pytest.approx(list(prop.cost.coefficients()), rel=1e-4)

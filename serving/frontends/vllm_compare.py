@@ -10,6 +10,12 @@ scripts/setup_vllm.sh)::
 Methods (``--methods``; every speculative one verifies at most ``--k`` tokens per step):
 
 - ``plain``: no speculation; the reference outputs and the tokens/s baseline (always run);
+- ``plain-sync``: no speculation, with vLLM's asynchronous scheduling off. vLLM 0.32 turns it off
+  for every proposer that drafts on the host (``ngram``, ``suffix``, ``custom_class``: "Async
+  scheduling not supported with ...-based speculative decoding"), so a step of theirs cannot
+  overlap the scheduler's work for the next step with the forward. This method prices that alone:
+  a speculative method's ratio to ``plain-sync`` is what its drafts earn, its ratio to ``plain``
+  what a user gets;
 - ``ngram``: vLLM's prompt lookup (``prompt_lookup_min``/``max`` from the flags);
 - ``suffix``: vLLM's SuffixDecoding at vLLM's defaults (needs arctic-inference; skipped, saying
   why, when it cannot be imported);
@@ -18,7 +24,9 @@ Methods (``--methods``; every speculative one verifies at most ``--k`` tokens pe
   development prompts, chosen per set and concurrency by tokens/s; the reported prompts are the
   eval split, disjoint from them (sssd.calibration.datasets.split). A set whose best setting is
   vLLM's default reuses the ``suffix`` runs;
-- ``sssd``: SSSD as vLLM's ``custom_class`` proposer (serving/vllm_proposer.py).
+- ``sssd``: SSSD as vLLM's ``custom_class`` proposer (serving/vllm_proposer.py);
+- ``sssd-recent``: the same with the other requests' recent outputs as a second draft source
+  (``SSSD_VLLM_DRAFT=retrieval,recent``).
 
 Prompt sets (``--sets``): MT-Bench (chat), HumanEval (code) and the copy-heavy sets (code-edits,
 agent-traces, quoting), from sssd.calibration.datasets, tokenized once with the model's chat
@@ -67,7 +75,9 @@ from sssd.serving.frontends.vllm_report import PROMPTS, SETS
 from sssd.serving.planning import step_timing
 
 #: Methods in the order of the first round (plain vLLM is always among them).
-METHODS = ("plain", "ngram", "suffix", "suffix-tuned", "sssd")
+METHODS = ("plain", "plain-sync", "ngram", "suffix", "suffix-tuned", "sssd", "sssd-recent")
+#: The proposer's draft sources (SSSD_VLLM_DRAFT) of each SSSD method.
+SSSD_DRAFT = {"sssd": "retrieval", "sssd-recent": "retrieval,recent"}
 #: vLLM 0.32's defaults for the suffix method (vllm.config.speculative.SpeculativeConfig).
 SUFFIX_DEFAULTS = {
     "suffix_decoding_max_tree_depth": 24,
@@ -96,9 +106,9 @@ def suffix_grid(spec: str) -> list[dict]:
 
 def speculative_config(method: str, args: argparse.Namespace, params: dict | None = None) -> dict | None:
     """vLLM's speculative_config for one method, all verifying at most ``args.k`` tokens per step."""
-    if method == "plain":
+    if method in ("plain", "plain-sync"):
         return None
-    if method == "sssd":
+    if method in SSSD_DRAFT:
         return {
             "method": "custom_class",
             "model": "sssd.serving.vllm_proposer.SSSDProposer",
@@ -114,6 +124,14 @@ def speculative_config(method: str, args: argparse.Namespace, params: dict | Non
     if method in ("suffix", "suffix-tuned"):  # vLLM's defaults unless a swept setting is given
         return {"method": "suffix", "num_speculative_tokens": args.k, **(params or {})}
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def engine_options(method: str) -> dict:
+    """vLLM engine arguments a method sets beside its speculative_config (and ``sssd_draft``: the
+    proposer's SSSD_VLLM_DRAFT, which reaches it through the environment)."""
+    if method == "plain-sync":
+        return {"async_scheduling": False}
+    return {"sssd_draft": SSSD_DRAFT[method]} if method in SSSD_DRAFT else {}
 
 
 def unavailable(method: str) -> str | None:
@@ -149,16 +167,26 @@ def _minus(after: dict, before: dict) -> dict:
     )
 
 
-def run_engine(args: argparse.Namespace, spec: dict | None, num_seqs: int, sets: dict[str, list[list[int]]]) -> dict:
-    """One fresh engine generating each set's prompts in turn: per set, tokens, seconds, output
-    token ids, vLLM's counters and (SSSD) the proposer's timing sums over that set alone."""
+def run_engine(
+    args: argparse.Namespace,
+    spec: dict | None,
+    num_seqs: int,
+    sets: dict[str, list[list[int]]],
+    options: dict | None = None,
+) -> dict:
+    """One fresh engine (``options``: more of vLLM's engine arguments) generating each set's prompts
+    in turn: per set, tokens, seconds, output token ids, vLLM's counters and (SSSD) the proposer's
+    timing sums over that set alone."""
     from vllm import LLM, SamplingParams
 
+    options = dict(options or {})
+    draft = options.pop("sssd_draft", SSSD_DRAFT["sssd"])
     timing = None
     if spec and spec["method"] == "custom_class":
         fd, timing = tempfile.mkstemp(prefix="sssd-vllm-timing-", suffix=".json")
         os.close(fd)
         os.environ.update(SSSD_VLLM_TIMING=timing, SSSD_VLLM_TIMING_INTERVAL="0.2")
+        os.environ["SSSD_VLLM_DRAFT"] = draft
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -169,8 +197,10 @@ def run_engine(args: argparse.Namespace, spec: dict | None, num_seqs: int, sets:
         disable_log_stats=False,
         speculative_config=spec,
         seed=0,
+        **options,
     )
     os.environ.pop("SSSD_VLLM_TIMING", None)
+    os.environ.pop("SSSD_VLLM_DRAFT", None)
     out: dict[str, Any] = {"startup_s": round(time.perf_counter() - t0, 1), "sets": {}}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm = [{"prompt_token_ids": args.warm_ids}]
@@ -319,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                     reused.append((n, r, names))
                     continue
                 spec = speculative_config(method, args, params)
-                res = run_engine(args, spec, n, {s: sets[s] for s in names})
+                res = run_engine(args, spec, n, {s: sets[s] for s in names}, engine_options(method))
                 report["startup_s"].append(res["startup_s"])
                 for s, run in res["sets"].items():
                     runs.append(dict(run, set=s, num_seqs=n, round=r, method=method, config=spec))

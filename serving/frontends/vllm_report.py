@@ -162,7 +162,8 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
     tokens, seconds, token_ids, spec_decode counters, optional timing sums and config).
 
     Per cell: tokens/s each round and their median; the ratio to plain vLLM of the same round, each
-    round and the median; vLLM's counters summed over rounds and their figures; whether every
+    round and the median (and to ``plain-sync``, plain with asynchronous scheduling off, where it
+    ran: what a speculative method's drafts earn apart from the scheduling vLLM gives up); vLLM's counters summed over rounds and their figures; whether every
     round's outputs are token-identical to plain's of the same round; for SSSD the drafting share
     of the step (its proposer's timing) and the ratio to the best suffix method of the cell (the
     suffix method with the higher median tokens/s), round by round and the median.
@@ -174,6 +175,7 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
     out = []
     for s, n in groups:
         plain = by.get((s, n, "plain"), {})
+        sync = by.get((s, n, "plain-sync"), {})
         group = []
         for m in methods:
             rounds = by.get((s, n, m))
@@ -204,6 +206,9 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
                 "identical": all(x is True for x in identical),
                 "identical_rounds": identical,
             }
+            if sync and m not in ("plain", "plain-sync"):
+                vs_sync = [t / (sync[r]["tokens"] / sync[r]["seconds"]) for r, t in zip(order, tps) if r in sync]
+                cell["ratio_to_plain_sync"] = _median(vs_sync)
             if any(rounds[r].get("timing") for r in order):
                 summary = summarize(timing)
                 cell["draft_share"] = summary["all"]["share"]
@@ -214,7 +219,7 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
         if suffixes:
             best, best_rounds, _ = max(suffixes, key=lambda x: x[0]["tokens_per_s"])
             for cell, _rounds, order, tps in group:
-                if cell["method"] != "sssd":
+                if not cell["method"].startswith("sssd"):
                     continue
                 vs = [
                     t / (best_rounds[r]["tokens"] / best_rounds[r]["seconds"])
@@ -246,10 +251,11 @@ def table(cells_: Sequence[dict], skipped: dict[str, str] | None = None) -> str:
         each = ", ".join(f"{t:.1f}" for t in c["tokens_per_s_rounds"])
         vs = f"{c['vs_best_suffix']:.2f}× ({c['best_suffix']})" if c.get("vs_best_suffix") is not None else ""
         share = c.get("draft_share")
+        sync = f" ({c['ratio_to_plain_sync']:.2f}× sync)" if c.get("ratio_to_plain_sync") is not None else ""
         same = "(reference)" if c["method"] == "plain" else ("yes" if c["identical"] else "**no**")
         rows.append(
             f"| {c['set']} | {c['num_seqs']} | {c['method']} | {c['tokens_per_s']:.1f} ({each}) "
-            f"| {_fmt(c['ratio_to_plain'], '.2f')}× | {vs} | {_fmt(c['mean_acceptance_length'], '.2f')} "
+            f"| {_fmt(c['ratio_to_plain'], '.2f')}×{sync} | {vs} | {_fmt(c['mean_acceptance_length'], '.2f')} "
             f"| {c['draft_tokens']} | {c['accepted']} | {'' if share is None else f'{share:.1%}'} | {same} |"
         )
     for method, why in (skipped or {}).items():
