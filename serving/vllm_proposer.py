@@ -239,7 +239,7 @@ class SSSDProposer:
         self._continued = 0
         self._prefilled = 0
         try:
-            out = self._propose(batch, num_tokens_no_spec, token_ids_cpu, now)
+            out = self._propose(batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now)
         except Exception:  # noqa: BLE001 - drafts are optional; vLLM's worker must go on
             if not self._failed:
                 log.exception("the SSSD proposer failed; this step sends no drafts (logged once)")
@@ -293,6 +293,7 @@ class SSSDProposer:
     def _propose(
         self,
         batch: int,
+        sampled_token_ids: list[list[int]],
         num_tokens_no_spec: np.ndarray,
         token_ids_cpu: np.ndarray,
         now: float,
@@ -301,6 +302,13 @@ class SSSDProposer:
         for row in range(batch):
             n = int(num_tokens_no_spec[row])
             if n <= 0:
+                continue
+            if not len(sampled_token_ids[row]):
+                # The step computed a chunk of this row's prompt and sampled nothing: vLLM shows the
+                # whole prompt from the first chunk on, so only this tells a chunked prefill's later
+                # steps (2 s, where a decode step takes 0.1) from decode steps. vLLM drafts nothing
+                # for such a row (as its ngram and suffix proposers do); it is synced once it samples.
+                self._prefilled += 1
                 continue
             self._sync_row(row, np.asarray(token_ids_cpu[row, :n], dtype=np.int64))
             rows.append(row)

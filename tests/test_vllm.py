@@ -491,6 +491,50 @@ def test_the_step_cost_learns_its_slope_from_steps_of_a_few_tokens(prior):
     assert b / a == pytest.approx(prior, rel=0.01)
 
 
+def test_a_step_that_did_something_else_does_not_pin_the_slope():
+    """Replays what a trace of code edits at 16 requests recorded: a few steps of one row, then one of
+    40 tokens that took 2.1 s (it also prefilled prompts), then decode steps of 16 tokens at 0.11 s.
+    Fitted, that step set the slope at 44 ms a token and nothing was drafted again, so nothing moved
+    it back. Left out as an outlier, the fit stays a decode step's."""
+    from sssd.serving.planning.allocation import MeasuredStepCost
+
+    cost = MeasuredStepCost(per_token=0.2)
+    for x, t in ((1, 0.050), (3, 0.044), (17, 0.073), (6, 0.043), (6, 0.040), (3, 0.042), (4, 0.043), (17, 0.075)):
+        assert cost.observe(x, t)
+    assert not cost.observe(40, 2.1) and cost.outliers == 1
+    for _ in range(50):
+        assert cost.observe(16, 0.11)
+    a, b = cost.coefficients()
+    assert a > 0.02 and b < 0.006  # ~40 ms + 2-3 ms a token; with the 2.1 s step: 0 + 44 ms a token
+    slower = MeasuredStepCost(per_token=0.2)  # the machine itself slowing down is learned after `settle` steps
+    for i in range(20):
+        slower.observe(4 + i % 8, 0.04 + 0.003 * (4 + i % 8))
+    kept = [slower.observe(4 + i % 8, 10 * (0.04 + 0.003 * (4 + i % 8))) for i in range(40)]
+    assert kept[: slower.settle - 1] == [False] * (slower.settle - 1) and all(kept[slower.settle - 1 :])
+    assert slower(np.array([8]))[0] > 0.3
+
+
+def test_a_row_still_prefilling_gets_no_draft_and_its_step_is_left_out(monkeypatch):
+    """vLLM shows a row's whole prompt from its first prefill chunk on; a row that sampled nothing
+    was still prefilling in the step that just ran."""
+    prop = _proposer(monkeypatch, k=4)
+    ctx = REPEAT + [8]
+    ids, n = _rows([REPEAT])
+    prop.propose([[0]], n, ids)
+    ids, n = _rows([ctx])
+    prop.propose([[8]], n, ids)
+    assert prop.cost.steps == 1
+    ids, n = _rows([ctx + [9], REPEAT])  # row 1: a long prompt, one chunk of it computed, nothing sampled
+    out = prop.propose([[9], []], n, ids)
+    assert out[1] == [] and 1 not in prop.rows and prop.cost.steps == 1  # that step prefilled: left out
+    ids, n = _rows([ctx + [9, 10], REPEAT])  # its last chunk: it samples, and joins
+    out = prop.propose([[10], [8]], n, ids)
+    assert out[1] == [8, 9, 10, 11] and prop.cost.steps == 1  # (the step of its last chunk is left out too)
+    ids, n = _rows([ctx + [9, 10, 11], REPEAT + [8]])
+    prop.propose([[11], [8]], n, ids)
+    assert prop.cost.steps == 2
+
+
 def test_the_step_cost_prior_follows_the_device(monkeypatch):
     """On vLLM's CPU build one more verified token is a large share of a step (the CPU prior), on a
     GPU a small one; a config without a device is taken for a GPU."""
