@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 import sssd
-from sssd.calibration_file import CalibrationFile, entries_of, load_drafter, select_entry
+from sssd.calibration_file import CalibrationFile, load_drafter, select_entry
 from sssd.draft_source import DraftRequest, RetrievalSource
 from sssd.recent_outputs import RecentOutputs
 from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select, trials
@@ -153,10 +153,7 @@ class SSSDProposer:
             check_compatible(datastore, model_path)
         vocab = getattr(vllm_config.model_config, "get_vocab_size", lambda: None)()
         calibration = _calibration(os.environ.get("SSSD_VLLM_DRAFTER", "default"), datastore, model_path)
-        fix = dict(use_datastore=datastore is not None, vocab_size=vocab)
-        entries = {b: c.replace(**fix) for b, c in entries_of(calibration).items()}
         self.tree_budget = max(_default_budget(calibration), 2 * self.k)
-        self.config = entries[select_entry(list(entries), self.tree_budget)]  # the entry for the tree budget
         self.pipeline = DraftPipeline(
             _sources(os.environ.get("SSSD_VLLM_DRAFT", "retrieval"), datastore), calibration, vocab
         )
@@ -184,6 +181,12 @@ class SSSDProposer:
             interval = float(os.environ.get("SSSD_VLLM_TIMING_INTERVAL", "1"))
             self._writer = TimingWriter(self.timing, os.environ["SSSD_VLLM_TIMING"], interval)
             self._writer.start()
+
+    @property
+    def config(self) -> sssd.DrafterConfig:
+        """The calibration entry the trees are drafted with (the pipeline's, for the tree budget)."""
+        entries = self.pipeline.entries
+        return entries[select_entry(list(entries), self.tree_budget)]
 
     def load_model(self, model: Any) -> None:  # vLLM calls this; a model-free proposer has nothing to load
         return None
