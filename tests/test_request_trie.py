@@ -50,6 +50,42 @@ def test_memory_is_bounded_by_depth_and_cap():
     assert capped.num_nodes == 1000 and capped.check_integrity() == ""
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12), min_size=1, max_size=6),
+    order=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    noise=st.lists(st.integers(0, 30), max_size=20),
+)
+def test_long_repeats_at_depth_20_match_brute_force(blocks, order, noise):
+    """Text made of repeated blocks (long verbatim repeats, chains of only children) at the
+    default depth: the child index holds only branching nodes' children, and lookups past it
+    (a node's single child checked in place, a second child moving both into the index) agree
+    with brute force."""
+    tokens = [t for i in order for t in blocks[i % len(blocks)]] + noise
+    trie = _core.RequestTrie(20)
+    for t in tokens:  # token by token: every append goes through the lookup
+        trie.extend(np.array([t], dtype=np.uint32))
+    assert trie.check_integrity() == ""
+    for length in range(1, 20):
+        got = trie.continuations(length)
+        want, total = trie_continuations(tokens, length, 20)
+        assert tree_to_paths(got) == want, length
+        if want:
+            assert got["total"] == total
+
+
+def test_child_index_holds_only_branching_nodes():
+    """Text whose n-grams never repeat is chains under the root: the index holds the root's
+    children only, so the trie costs little more than its 16-byte nodes."""
+    tokens = np.arange(1, 20_001, dtype=np.uint32)
+    trie = _core.RequestTrie(20)
+    trie.extend(tokens)
+    assert trie.check_integrity() == ""
+    assert trie.num_nodes == 1 + sum(min(20, len(tokens) - i) for i in range(len(tokens)))
+    # nodes (16 B) + the root's 20,000 children at <= 64 B each + the text and the tail
+    assert trie.memory_bytes() <= 16 * trie.num_nodes * 1.5 + 64 * len(tokens) + 8 * len(tokens)
+
+
 def test_repeated_phrase_predicts_its_continuation():
     trie = _core.RequestTrie(6)
     trie.extend(np.array([5, 6, 7, 8, 1, 5, 6, 7, 8, 2, 5, 6], dtype=np.uint32))

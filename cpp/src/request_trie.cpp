@@ -14,14 +14,24 @@ RequestTrie::RequestTrie(int max_depth, size_t max_nodes, CopySettings copy)
 }
 
 uint32_t RequestTrie::child(uint32_t parent, token_t token) {
-  uint32_t c = index_.find(parent, token);
-  if (c != kNoNode || nodes_.size() >= max_nodes_) return c;
-  c = uint32_t(nodes_.size());
+  // A node with one child needs no index: most of the trie's nodes are on
+  // n-grams seen once, chains of only children. The index holds the children
+  // of nodes with two or more.
+  const uint32_t first = nodes_[parent].first_child;
+  const bool branching = first != kNoNode && nodes_[first].next_sibling != kNoNode;
+  if (first != kNoNode && !branching && nodes_[first].token == token) return first;
+  if (branching) {
+    const uint32_t found = index_.find(parent, token);
+    if (found != kNoNode) return found;
+  }
+  if (nodes_.size() >= max_nodes_) return kNoNode;
+  const uint32_t c = uint32_t(nodes_.size());
   // Prepend to the sibling list: O(1); child order does not affect drafts
   // (the merger orders candidates by score, then token id).
-  nodes_.push_back({token, 0.0f, kNoNode, nodes_[parent].first_child});
+  nodes_.push_back({token, 0.0f, kNoNode, first});
   nodes_[parent].first_child = c;
-  index_.insert(parent, token, c);
+  if (first != kNoNode && !branching) index_.insert(parent, nodes_[first].token, first);  // now two
+  if (first != kNoNode) index_.insert(parent, token, c);
   return c;
 }
 
@@ -66,16 +76,23 @@ size_t RequestTrie::memory_bytes() const {
 std::string RequestTrie::check_integrity() const {
   // Depth-first walk from the root, checking counts, index and depth.
   std::vector<std::pair<uint32_t, int>> stack{{0, 0}};
-  size_t seen = 0;
+  size_t seen = 0, indexed = 0;
   while (!stack.empty()) {
     const auto [node, depth] = stack.back();
     stack.pop_back();
     ++seen;
     if (depth > max_depth_) return detail::concat("node ", node, " is deeper than ", max_depth_);
     double sum = 0;
-    for (uint32_t c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+    const uint32_t first = nodes_[node].first_child;
+    if (first != kNoNode && first >= nodes_.size()) {
+      return detail::concat("node ", node, " has child ", first, " out of range");
+    }
+    // Only the children of a node with two or more are indexed (see child()).
+    const bool branching = first != kNoNode && nodes_[first].next_sibling != kNoNode;
+    for (uint32_t c = first; c != kNoNode; c = nodes_[c].next_sibling) {
       if (c >= nodes_.size()) return detail::concat("node ", node, " has child ", c, " out of range");
-      if (index_.find(node, nodes_[c].token) != c) {
+      indexed += branching;
+      if (index_.find(node, nodes_[c].token) != (branching ? c : kNoNode)) {
         return detail::concat("child index disagrees at node ", node, " token ", nodes_[c].token);
       }
       sum += nodes_[c].weight;
@@ -86,7 +103,7 @@ std::string RequestTrie::check_integrity() const {
     }
   }
   if (seen != nodes_.size()) return detail::concat(nodes_.size() - seen, " nodes are unreachable");
-  if (index_.size() + 1 != nodes_.size()) return "child index size does not match the node count";
+  if (index_.size() != indexed) return "child index size does not match the branching nodes' children";
   if (copy_.enabled() && !copy_.automaton().capped() && copy_.automaton().size() != tokens_.size()) {
     return "the copy index does not hold the whole text";
   }

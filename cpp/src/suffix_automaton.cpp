@@ -18,10 +18,22 @@ void SuffixAutomaton::record(State& s, uint32_t pos) {
   s.ends[0] = pos;
 }
 
+uint32_t SuffixAutomaton::edge(uint32_t from, token_t token) const {
+  // A state with one transition is checked in place; the index holds the
+  // transitions of states with two or more (most states have one).
+  const uint32_t first = states_[from].first_edge;
+  if (first == kNone) return kNoNode;
+  if (edges_[first].next == kNone) return edges_[first].token == token ? first : kNoNode;
+  return index_.find(from, token);
+}
+
 void SuffixAutomaton::add_edge(uint32_t from, token_t token, uint32_t target) {
   const uint32_t e = uint32_t(edges_.size());
-  edges_.push_back({token, target, states_[from].first_edge});
+  const uint32_t first = states_[from].first_edge;
+  edges_.push_back({token, target, first});
   states_[from].first_edge = e;
+  if (first == kNone) return;
+  if (edges_[first].next == kNone) index_.insert(from, edges_[first].token, first);  // now two
   index_.insert(from, token, e);
 }
 
@@ -39,7 +51,7 @@ void SuffixAutomaton::extend(token_t token) {
   states_.push_back(fresh);
   uint32_t p = last_;
   uint32_t e = kNoNode;
-  while (p != kNone && (e = index_.find(p, token)) == kNoNode) {
+  while (p != kNone && (e = edge(p, token)) == kNoNode) {
     add_edge(p, token, cur);
     p = states_[p].link;
   }
@@ -59,7 +71,7 @@ void SuffixAutomaton::extend(token_t token) {
         add_edge(clone, edges_[f].token, edges_[f].target);
       }
       for (; p != kNone; p = states_[p].link) {
-        const uint32_t f = index_.find(p, token);
+        const uint32_t f = edge(p, token);
         if (edges_[f].target != q) break;
         edges_[f].target = clone;
       }
@@ -99,13 +111,25 @@ std::string SuffixAutomaton::check_integrity() const {
         return detail::concat("state ", s, " keeps its end positions out of order");
       }
     }
+  }
+  size_t indexed = 0;
+  for (size_t s = 0; s < states_.size(); ++s) {
+    const State& st = states_[s];
+    if (st.first_edge != kNone && st.first_edge >= edges_.size()) return detail::concat("state ", s, " has an edge out of range");
+    const bool several = st.first_edge != kNone && edges_[st.first_edge].next != kNone;
     for (uint32_t e = st.first_edge; e != kNone; e = edges_[e].next) {
-      if (edges_[e].target >= states_.size()) return detail::concat("state ", s, " has an edge out of range");
-      if (index_.find(uint32_t(s), edges_[e].token) != e) return detail::concat("state ", s, " edge index disagrees");
+      if (e >= edges_.size() || edges_[e].target >= states_.size()) {
+        return detail::concat("state ", s, " has an edge out of range");
+      }
+      // Only the transitions of a state with two or more are indexed (see edge()).
+      if (index_.find(uint32_t(s), edges_[e].token) != (several ? e : kNoNode)) {
+        return detail::concat("state ", s, " edge index disagrees");
+      }
+      indexed += several;
       if (states_[edges_[e].target].len < st.len + 1) return detail::concat("state ", s, " has a shortening edge");
     }
   }
-  if (index_.size() != edges_.size()) return "edge index size does not match the edge count";
+  if (index_.size() != indexed) return "edge index size does not match the branching states' edges";
   return "";
 }
 

@@ -7,11 +7,18 @@
 // continuation tree for L costs no walk: its root is that node and the
 // continuations are its descendants, up to max_depth - L tokens deep.
 //
-// Memory: at most max_depth new nodes per token; a node costs 16 bytes plus
-// 32-64 bytes in the child index (kept under half full), at most ~100 bytes
-// with vector growth. Worst case (no n-gram ever repeats) that is
-// 100 * max_depth bytes per token: 4 MB for a 2,000-token request at the
-// default depth 20; real text repeats its short n-grams and needs about half.
+// Child lookup: a node with one child is checked in place (its first child's
+// token); only the children of nodes with two or more go in the child index.
+// Most of a request's nodes are n-grams seen once, chains of only children,
+// so the index holds a fraction of the nodes and stays cache-sized, which is
+// most of what appending a token costs.
+//
+// Memory: at most max_depth new nodes per token; a node costs 16 bytes, plus
+// 32-64 bytes in the child index (kept under half full) for the children of
+// branching nodes, at most ~100 bytes with vector growth. Worst case (no
+// n-gram ever repeats) that is 100 * max_depth bytes per token: 4 MB for a
+// 2,000-token request at the default depth 20; real text needs much less
+// (measured: benchmarks/RESULTS.md, "What a request's copy index costs").
 // `max_nodes` caps it: past the cap, new n-grams are no longer added
 // (existing ones keep counting). The whole trie is freed when its request
 // is closed.

@@ -79,11 +79,12 @@ class SuffixAutomaton {
     uint32_t next;  // next edge of the same state
   };
   void record(State& s, uint32_t pos);
+  uint32_t edge(uint32_t from, token_t token) const;  // the transition's edge, or kNoNode
   void add_edge(uint32_t from, token_t token, uint32_t target);
 
   std::vector<State> states_;
   std::vector<Edge> edges_;
-  NodeIndex index_;  // (state, token) -> edge
+  NodeIndex index_;  // (state, token) -> edge, for states with two or more transitions
   uint32_t last_ = 0;
   size_t n_ = 0;
   size_t max_tokens_;
