@@ -20,7 +20,8 @@ goes to benchmarks/out/bench_mixed.png (the paper's figure, on this CPU).
 Usage:
   python benchmarks/bench_mixed.py                                   # SmolLM2, batch 1 4 16 32
   python benchmarks/bench_mixed.py --sets mtbench --batch-sizes 1 4 16 32    # pure chat
-  python benchmarks/bench_mixed.py --model qwen2.5-coder-1.5b-instruct --batch-sizes 4 --max-tokens 48
+  python benchmarks/bench_mixed.py --model qwen2.5-coder-1.5b-instruct --batch-sizes 4 --max-tokens 48 \
+      --datastore ~/.cache/sssd/datastores/sharegpt-qwen2.5  # sssd build <ShareGPT json> -t <qwen folder>
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument(
+        "--datastore",
+        default="default",
+        help="retrieval's datastore, built with the model's tokenizer ('default': SmolLM2's ShareGPT one)",
+    )
     ap.add_argument("--sets", nargs="+", default=MIXED, help="prompt sets mixed round robin")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument(
@@ -123,6 +129,7 @@ def main() -> int:
             continue
         engines[c] = LLMEngine(
             args.model,
+            datastore=args.datastore,
             config=EngineConfig(
                 max_running=max_b, max_model_len=args.max_model_len, allocation=base, threads=args.threads
             ),
@@ -131,13 +138,17 @@ def main() -> int:
             engines[c].contention = None
     if not engines:
         engines["batch"] = LLMEngine(
-            args.model, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads)
+            args.model,
+            datastore=args.datastore,
+            config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads),
         )
     plain_engine = next((e for c, e in engines.items() if not c.endswith(FIXED)), next(iter(engines.values())))
     fixed_plain = next((e for c, e in engines.items() if c.endswith(FIXED)), None)
     if fixed_plain is None and "plain" + FIXED in args.configs:
         fixed_plain = LLMEngine(
-            args.model, config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads)
+            args.model,
+            datastore=args.datastore,
+            config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads),
         )
         fixed_plain.contention = None
     room = args.max_model_len - args.max_tokens - 66  # the answer and one draft tree
