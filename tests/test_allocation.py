@@ -111,11 +111,76 @@ def test_measured_costs_correct_the_profile_and_predicted_rates_are_reported():
     alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
     before = float(alloc.step_seconds(4, np.array([8]))[0])
     for _ in range(50):
-        alloc.observe(4, 8, forward_seconds=2 * before, step_seconds=2 * before + 0.01, tokens=10, predicted=50.0)
+        alloc.observe(
+            4,
+            8,
+            forward_seconds=2 * before,
+            step_seconds=2 * before + 0.01,
+            tokens=10,
+            predicted=50.0,
+            expected=(12.0, 0.2),
+        )
     after = float(alloc.step_seconds(4, np.array([8]))[0])
     assert after == pytest.approx(2 * before + 0.01, rel=0.02)
     rep = alloc.report()["buckets"][4]
     assert rep["forward_vs_profile"] == pytest.approx(2.0, rel=0.02) and rep["predicted_tokens_per_s"] == 50.0
+    # where the prediction is off: 12 tokens expected against 10 emitted, 200 ms against what it took
+    assert rep["step_tokens"] == [12.0, 10.0]
+    assert rep["step_ms"] == [200.0, pytest.approx(1e3 * (2 * before + 0.01), abs=0.01)]
+
+
+def test_the_measured_slope_replaces_the_profiles_and_cuts_the_nodes_bought():
+    """The profile says a verified token costs 1 ms; the steps measure 8 ms (a long context). A
+    ratio per batch size would fix the level at the steps' size but keep the profile's slope; the
+    measured line predicts every size, and the allocation buys the nodes that pay under it."""
+    true = lambda n: 0.05 + 0.008 * np.asarray(n, dtype=float)  # noqa: E731 - seconds of N verified tokens
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    scores = [np.geomspace(0.95, 0.2, 24).astype(np.float32)] * 4
+    naive = int(alloc.allocate([1, 2, 3, 4], np.ones(4, bool), scores).counts.sum())
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        if step % 5 == 0:
+            alloc.observe_plain(4, float(true(4)))
+            continue
+        k = int(rng.integers(4, 40))
+        alloc.observe(4, k, float(true(4 + k)), float(true(4 + k)) + 0.002, 4 + k // 2)
+    for k in (0, 8, 32, 64):
+        assert float(alloc.forward_seconds(4, np.array([k]))[0]) == pytest.approx(float(true(4 + k)), rel=0.05)
+    fitted = int(alloc.allocate([1, 2, 3, 4], np.ones(4, bool), scores).counts.sum())
+    # the best k under the true cost, by brute force over the batch's nodes
+    values = np.sort(np.concatenate([np.minimum.accumulate(s.astype(float)) for s in scores]))[::-1]
+    rates = (4 + np.concatenate([[0.0], np.cumsum(values)])) / (true(4 + np.arange(values.size + 1)) + 0.002)
+    assert fitted < naive and rates[fitted] >= 0.99 * rates.max() > rates[naive] * 1.05
+    assert alloc.report()["buckets"][4]["forward_line_ms"][1] == pytest.approx(8.0, rel=0.05)
+
+
+def test_selected_worth_is_corrected_by_what_the_steps_emitted():
+    """The selected nodes turn out to give half the tokens their scores promise (the winner's
+    curse): the bucket's correction goes to 1/2, the predicted tokens then match the emitted ones,
+    and fewer nodes are bought."""
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    scores = [np.geomspace(0.9, 0.05, 32).astype(np.float32)] * 4
+    ids, greedy = [1, 2, 3, 4], np.ones(4, bool)
+    first = alloc.allocate(ids, greedy, scores)
+    for _ in range(40):
+        a = alloc.allocate(ids, greedy, scores)
+        raw = sum(float(np.minimum.accumulate(scores[b].astype(float))[:c].sum()) for b, c in enumerate(a.counts))
+        emitted = 4 + 0.5 * raw
+        seconds = float(alloc.step_seconds(4, np.array([a.counts.sum()]))[0])
+        alloc.observe(
+            4,
+            int(a.counts.sum()),
+            seconds,
+            seconds,
+            int(round(emitted)),
+            a.tokens_per_second,
+            expected=(a.expected_tokens, a.seconds),
+        )
+    assert alloc.report()["buckets"][4]["worth_correction"] == pytest.approx(0.5, abs=0.05)
+    last = alloc.allocate(ids, greedy, scores)
+    raw = sum(float(np.minimum.accumulate(scores[b].astype(float))[:c].sum()) for b, c in enumerate(last.counts))
+    assert last.expected_tokens - 4 == pytest.approx(0.5 * raw, rel=0.1)
+    assert last.counts.sum() < first.counts.sum()
 
 
 def test_a_prefix_of_a_draft_batch_keeps_each_rows_first_nodes():

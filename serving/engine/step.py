@@ -444,8 +444,15 @@ class DecodeStep:
         B = len(plan.requests)
         seconds = time.perf_counter() - plan.started
         if plan.allocation is not None:
+            a = plan.allocation
             eng.allocator.observe(
-                B, int(plan.budgets.sum()), t_forward, seconds, n_emitted, plan.allocation.tokens_per_second
+                B,
+                int(plan.budgets.sum()),
+                t_forward,
+                seconds,
+                n_emitted,
+                a.tokens_per_second,
+                expected=(a.expected_tokens, a.seconds),
             )
         elif eng.allocator is not None:
             eng.allocator.observe_plain(B, seconds)
