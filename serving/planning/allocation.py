@@ -19,8 +19,10 @@ and stops taking budget; one that copies its prompt gets gamma < 1 and takes mor
 
 The step's expected tokens are B (one bonus token per row) plus the sum of the selected nodes'
 worth; its cost is the backend's forward time for B rows carrying N = B + k tokens in all (ragged
-passes cost their tokens, not rows x the largest tree), corrected by what the engine measures
-(the forward's ratio to the profile, the step's time beyond the forward). The selection is the k
+passes cost their tokens, not rows x the largest tree), as the engine measures it: the profile
+scaled by the measured ratio at first, then a line fitted to the batch size's own speculative
+steps, plus the step's time beyond the forward. The selected worth is scaled by what such steps
+emitted against what they expected (the top-scored nodes' scores run high). The selection is the k
 with the most expected tokens per second over all k (the top-k nodes by worth, batch-wide):
 
     k* = argmax_k (B + sum of the k largest p) / cost(B, B + k)
