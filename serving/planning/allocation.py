@@ -265,7 +265,6 @@ class BatchAllocator:
         self._parts: dict[int, list[float]] = {}
         self._ratio: dict[int, float] = {}  # batch bucket -> correction of the selected nodes' worth
         self._ratio_sums: dict[int, list] = {}  # batch bucket -> [emitted, expected, steps] beyond the bonus
-        self._fit_steps: dict[int, int] = {}  # batch bucket -> speculative steps fitted
         self.steps = self.empty_steps = self.plain_steps = 0
 
     def use_time(self, time: Callable[[int, np.ndarray], np.ndarray]) -> None:
@@ -286,8 +285,9 @@ class BatchAllocator:
         measured line once it has enough steps (FIT_STEPS), else the profile scaled."""
         drafted = np.asarray(drafted, dtype=np.float64)
         key = self.bucket(batch)
-        if self._fit_steps.get(key, 0) >= self.FIT_STEPS:
-            return self._fits[key](batch + drafted)
+        fit = self._fits.get(key)
+        if fit is not None and fit.steps >= self.FIT_STEPS:
+            return fit(batch + drafted)
         per_row = (batch + drafted) / batch
         return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
 
@@ -298,7 +298,6 @@ class BatchAllocator:
             one, two = (float(v) for v in np.asarray(self.time(batch, np.array([1.0, 2.0])), dtype=np.float64))
             slope = max(two - one, 0.0) / batch  # seconds per verified token
             self._fits[key] = MeasuredStepCost(per_token=slope / max(one - slope * batch, 1e-9))
-            self._fit_steps[key] = 0
         return self._fits[key]
 
     def scale(self, batch: int) -> float:
@@ -373,8 +372,7 @@ class BatchAllocator:
             ratio = forward_seconds / float(np.asarray(self.time(batch, np.array([(batch + drafted) / batch])))[0])
             old = self._scale.get(key)
             self._scale[key] = ratio if old is None else self.DECAY * old + (1 - self.DECAY) * ratio
-            if self._fit(batch).observe(batch + drafted, forward_seconds):
-                self._fit_steps[key] += 1
+            self._fit(batch).observe(batch + drafted, forward_seconds)
             extra = max(step_seconds - forward_seconds, 0.0)
             old = self._overhead.get(key)
             self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
