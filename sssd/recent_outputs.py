@@ -8,35 +8,40 @@ in one bounded store, and drafts for a request what followed the longest
 recent occurrence of its context's suffix in the *other* requests' outputs
 (its own tokens are the input trie's business).
 
-The store is a ring of `capacity` tokens shared by all requests. Requests
-write into it interleaved, so each stored token links to its request's
-previous and next token; a token is indexed under the hash of the two
-tokens that end at it, in hash chains (zlib's: `head` holds the newest
-position of each bucket, `chain` the one before it). Writing the ring
-forgets the oldest tokens; a link to an overwritten position is recognised
-by its age and ignored. Memory: about 40 bytes per token of capacity
-(int64 links), plus the bucket heads, touched only as the ring fills.
+The store and the drafting are C++ (sssd._core.RecentStore,
+cpp/include/sssd/recent_store.h); this module is their DraftSource. The
+store is a ring of `capacity` tokens shared by all requests. Requests write
+into it interleaved, so each stored token links to its request's previous
+and next token; a token is indexed under the hash of the two tokens that
+end at it, in hash chains (zlib's: `head` holds the newest position of each
+bucket, `chain` the one before it). Writing the ring forgets the oldest
+tokens; a link to an overwritten position is recognised by its age and
+ignored. Memory: 40 bytes per token of capacity, plus 8 bytes per bucket
+head (as many buckets as the next power of two >= capacity): 48 MiB at the
+default capacity, in zero pages that cost memory only as they are written.
 
-Drafting, for all requests at once (array operations per chain step and per
-depth, never per candidate): walk the chain of the context's last two
-tokens (newest first, at most `max_chain` positions), measure each
-occurrence's match length backwards (at most `max_match`), keep the
-occurrences with the longest match among other requests' tokens that have
-a continuation (at most `max_matches`, newest first), follow each for
-`depth` tokens (adaptive: longer matches further, up to 64), and merge the paths into a trie whose weights are counts
-(a child's weight: the share of its parent's occurrences that continue
-with it; the first level is damped for matches shorter than `max_match`).
+Drafting, for all requests at once (one call, the GIL released): walk the
+chain of the context's last two tokens (newest first, at most `max_chain`
+positions), measure each occurrence's match length backwards (at most
+`max_match`), keep the occurrences with the longest match among other
+requests' tokens that have a continuation (at most `max_matches`, newest
+first), follow each for `depth` tokens (adaptive: longer matches further,
+up to 64), and merge the paths into a trie whose weights are counts (a
+child's weight: the share of its parent's occurrences that continue with
+it; the first level is damped for matches shorter than `max_match`).
+tests/reference.py keeps the numpy implementation this replaced
+(RecentOutputsReference); the C++ reproduces it operation for operation.
 
-Thread-safe: one lock around the store.
+Thread-safe: one lock around the store (in C++).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import numpy as np
 
+from sssd import _core
 from sssd.config import SourceDiscount
 from sssd.draft_source import Candidates, DraftRequest, DraftSource
 
@@ -51,7 +56,7 @@ MAX_MATCHES = 16
 #: Tokens followed after each occurrence: DEPTH_PER_MATCH per token of the request's longest match,
 #: at least MIN_DEPTH and at most DEPTH (a full match is followed as deep as a copy of the request's own text).
 DEPTH = 64
-MIN_DEPTH = 16
+MIN_DEPTH = int(_core.RecentStore.MIN_DEPTH)  # 16
 DEPTH_PER_MATCH = 8.0
 #: Hash-chain positions examined per request and step.
 MAX_CHAIN = 64
@@ -69,6 +74,10 @@ class RecentOutputs(DraftSource):
             whose longest match is m tokens follows max(MIN_DEPTH, m * depth_per_match) of them).
         max_chain: hash-chain positions examined per request and step.
         discount: the source's weight in the merge.
+
+    Raises:
+        ValueError: for a bad parameter; `extend`/`open` for a negative token id, `propose` for a
+            negative token id in a context or a negative budget.
     """
 
     name = "recent"
@@ -85,77 +94,51 @@ class RecentOutputs(DraftSource):
         discount: SourceDiscount | None = None,
         depth_per_match: float = DEPTH_PER_MATCH,
     ):
-        if capacity < 2:
-            raise ValueError(f"capacity must be >= 2 tokens, got {capacity}")
-        if not 2 <= min_match <= max_match:
-            raise ValueError(f"need 2 <= min_match <= max_match, got {min_match} and {max_match}")
-        if max_matches < 1 or depth < 1 or max_chain < 1:
-            raise ValueError("max_matches, depth and max_chain must be >= 1")
+        self._store = _core.RecentStore(
+            int(capacity),
+            int(max_match),
+            int(min_match),
+            int(max_matches),
+            int(depth),
+            int(max_chain),
+            float(depth_per_match),
+            MATCH_DAMPING,
+        )  # checks every value (ValueError)
         self.capacity = int(capacity)
         self.max_match, self.min_match = int(max_match), int(min_match)
         self.max_matches, self.depth, self.max_chain = int(max_matches), int(depth), int(max_chain)
-        if depth_per_match < 0:
-            raise ValueError(f"depth_per_match must be >= 0, got {depth_per_match}")
         self.depth_per_match = float(depth_per_match)
         if discount is not None:
             self.discount = discount
-        n = self.capacity
-        self._buckets = 1 << max(1, (n - 1).bit_length())
-        # Positions are absolute write counts; links hold position + 1 (0: none). np.zeros maps
-        # pages lazily, so a store costs memory as it fills.
-        self.tokens = np.zeros(n, dtype=np.int64)
-        self.owner = np.zeros(n, dtype=np.int64)  # request id that wrote each position
-        self.prev = np.zeros(n, dtype=np.int64)  # the same request's previous token
-        self.next = np.zeros(n, dtype=np.int64)  # the same request's next token
-        self.chain = np.zeros(n, dtype=np.int64)  # the previous position in the same bucket
-        self.head = np.zeros(self._buckets, dtype=np.int64)
-        self.written = 0
-        self._last: dict[int, int] = {}  # request id -> its last position + 1
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """Tokens held."""
-        return min(self.written, self.capacity)
+        return len(self._store)
+
+    @property
+    def written(self) -> int:
+        """Tokens ever written."""
+        return self._store.written
+
+    def memory_bytes(self) -> int:
+        """Bytes the store allocated (zero pages until written)."""
+        return self._store.memory_bytes()
+
+    def history(self, request_id: int) -> np.ndarray:
+        """The request's tokens still held, oldest first (for tests and inspection)."""
+        return self._store.history(request_id)
 
     # -- following requests ----------------------------------------------------------------
     def open(self, request_id: int, prompt: np.ndarray) -> None:
         """Stores the prompt's last `max_match` tokens: the context its output will follow."""
-        with self._lock:
-            self._last.pop(int(request_id), None)
-            self._append(int(request_id), np.asarray(prompt, dtype=np.int64)[-self.max_match :])
+        self._store.open(request_id, _token_ids(prompt)[-self.max_match :])
 
     def extend(self, request_id: int, tokens: np.ndarray) -> None:
-        with self._lock:
-            self._append(int(request_id), np.asarray(tokens, dtype=np.int64))
+        self._store.extend(request_id, _token_ids(tokens))
 
     def close(self, request_id: int) -> None:
         """The request's tokens stay in the store (for the others) until the ring overwrites them."""
-        with self._lock:
-            self._last.pop(int(request_id), None)
-
-    def _append(self, rid: int, tokens: np.ndarray) -> None:
-        n, mask = self.capacity, self._buckets - 1
-        last = self._last.get(rid, 0)
-        for t in tokens.tolist():
-            a = self.written
-            s = a % n
-            self.tokens[s], self.owner[s], self.next[s] = t, rid, 0
-            if self._alive(last):
-                p = (last - 1) % n
-                self.prev[s] = last
-                self.next[p] = a + 1
-                h = _bucket(int(self.tokens[p]), t) & mask
-                self.chain[s] = self.head[h]
-                self.head[h] = a + 1
-            else:
-                self.prev[s] = self.chain[s] = 0
-            self.written = a + 1
-            last = a + 1
-        self._last[rid] = last
-
-    def _alive(self, link):
-        """Whether links (position + 1) name positions the ring still holds."""
-        return (link > 0) & (link > self.written - self.capacity)
+        self._store.close(request_id)
 
     # -- drafting ---------------------------------------------------------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> list[Candidates | None]:
@@ -163,140 +146,23 @@ class RecentOutputs(DraftSource):
         R = len(requests)
         if not R:
             return []
-        K = self.max_match
-        query = np.full((R, K), -1, dtype=np.int64)  # query[r, j]: the token j places before the last
-        for r, req in enumerate(requests):
-            tail = np.asarray(req.tokens[-K:], dtype=np.int64)[::-1]
-            query[r, : tail.shape[0]] = tail
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=R)
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int64, count=R)
-        depth = int(min(self.depth, budgets.max()))
-        if depth <= 0:
-            return [None] * R
-        with self._lock:
-            found = self._matches(query, ids)
-            if found is None:
-                return [None] * R
-            rows, starts, lengths = found
-            paths = self._follow(starts, depth)
-        best = np.zeros(R, dtype=np.int64)
-        np.maximum.at(best, rows, lengths)
-        reach = np.minimum(budgets, np.clip((best * self.depth_per_match).astype(np.int64), MIN_DEPTH, self.depth))
-        paths[np.arange(depth)[None, :] >= reach[rows][:, None]] = -1  # deeper than the match or budget warrants
-        return _tries(rows, paths, lengths, R, self.max_match)
-
-    def _matches(self, query: np.ndarray, ids: np.ndarray):
-        """(request row, position + 1, match length) of each chosen occurrence, or None."""
-        n = self.capacity
-        R, K = query.shape
-        asks = (query[:, 0] >= 0) & (query[:, 1] >= 0)
-        if not asks.any() or self.written == 0:
-            return None
-        cur = np.where(asks, self.head[_bucket(query[:, 1], query[:, 0]) & (self._buckets - 1)], 0)
-        cands = []
-        for _ in range(self.max_chain):  # newest first, every request one chain step at a time
-            live = self._alive(cur)
-            if not live.any():
-                break
-            cands.append(np.where(live, cur, 0))
-            cur = np.where(live, self.chain[(cur - 1) % n], 0)
-        if not cands:
-            return None
-        start = np.stack(cands, axis=1)  # [R, C] position + 1
-        slot = (start - 1) % n
-        eligible = (start > 0) & (self.owner[slot] != ids[:, None]) & (self.next[slot] > 0)
-        length = np.zeros(start.shape, dtype=np.int64)
-        at, on = start.copy(), eligible.copy()
-        for j in range(K):  # match backwards through each occurrence's own request
-            on &= self._alive(at) & (self.tokens[(at - 1) % n] == query[:, j : j + 1])
-            length += on
-            at = np.where(on, self.prev[(at - 1) % n], 0)
-        eligible &= length >= self.min_match
-        best = np.where(eligible, length, 0).max(axis=1)
-        chosen = eligible & (length == best[:, None])
-        chosen &= np.cumsum(chosen, axis=1) <= self.max_matches
-        rows, cols = np.nonzero(chosen)
-        if not rows.size:
-            return None
-        return rows, start[rows, cols], length[rows, cols]
-
-    def _follow(self, starts: np.ndarray, depth: int) -> np.ndarray:
-        """[M, depth] the tokens after each occurrence (-1 past its request's last token)."""
-        n = self.capacity
-        paths = np.full((starts.shape[0], depth), -1, dtype=np.int64)
-        at = self.next[(starts - 1) % n]
-        for d in range(depth):  # forward links never outlive their targets: no age check
-            has = at > 0
-            if not has.any():
-                break
-            paths[has, d] = self.tokens[(at[has] - 1) % n]
-            at = np.where(has, self.next[(at - 1) % n], 0)
-        return paths
+        contexts = [r.tokens for r in requests]  # C++ reads the last max_match of each
+        offsets, tokens, parents, weights = self._store.propose(ids, contexts, budgets)  # without the GIL
+        bounds = offsets.tolist()
+        out: list[Candidates | None] = []
+        for r in range(R):
+            a, b = bounds[r], bounds[r + 1]
+            out.append(Candidates(tokens[a:b], parents[a:b], weights=weights[a:b]) if b > a else None)
+        return out
 
 
-def _bucket(a, b):
-    """The hash (before masking) of the token pair (a, b): ints or int64 arrays alike, with no
-    overflow for token ids below 2**31."""
-    x = a * 0x9E3779B1 + b
-    return x ^ (x >> 29)
-
-
-def _tries(rows: np.ndarray, paths: np.ndarray, lengths: np.ndarray, R: int, max_match: int) -> list[Candidates | None]:
-    """One trie per request row from its occurrences' paths (built one depth at a time for all rows):
-    a node's weight is the share of its parent's occurrences that continue with it."""
-    M, D = paths.shape
-    big = int(paths.max()) + 2
-    node_req, node_parent, node_token, node_weight = [], [], [], []
-    total = np.bincount(rows, minlength=R).astype(np.float64)
-    best = np.zeros(R, dtype=np.int64)
-    best[rows] = lengths
-    damping = MATCH_DAMPING ** np.maximum(0, max_match - best)
-    parent_of = rows.copy()  # per occurrence: its node at the previous depth (depth 0: its request)
-    alive = np.ones(M, dtype=bool)
-    base, prev_base, parent_req, parent_count = 0, 0, None, None
-    for d in range(D):
-        alive &= paths[:, d] >= 0
-        if not alive.any():
-            break
-        keys, inverse, counts = np.unique(
-            parent_of[alive] * big + paths[alive, d], return_inverse=True, return_counts=True
-        )
-        up = keys // big
-        if d == 0:
-            req, weight, parent = up, counts / total[up] * damping[up], np.full(keys.shape, -1)
-        else:
-            req, weight, parent = parent_req[up - prev_base], counts / parent_count[up - prev_base], up
-        node_req.append(req)
-        node_parent.append(parent)
-        node_token.append(keys % big)
-        node_weight.append(weight)
-        parent_of = np.where(alive, 0, parent_of)
-        parent_of[alive] = base + inverse.reshape(-1)
-        prev_base, parent_req, parent_count = base, req, counts.astype(np.float64)
-        base += keys.shape[0]
-    if not node_req:
-        return [None] * R
-    req, parent, token, weight = (np.concatenate(x) for x in (node_req, node_parent, node_token, node_weight))
-    order = np.argsort(req, kind="stable")  # node ids grow with depth: parents stay ahead of children
-    local = np.empty_like(order)
-    counts = np.bincount(req, minlength=R)
-    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    local[order] = np.arange(order.shape[0]) - np.repeat(firsts, counts)
-    out: list[Candidates | None] = []
-    for r in range(R):
-        ids = order[firsts[r] : firsts[r] + counts[r]]
-        if not ids.size:
-            out.append(None)
-            continue
-        par = parent[ids]
-        out.append(
-            Candidates(
-                token[ids],
-                np.where(par >= 0, local[np.maximum(par, 0)], -1),
-                weights=np.clip(weight[ids], 0.0, 1.0).astype(np.float32),
-            )
-        )
-    return out
+def _token_ids(tokens) -> np.ndarray:
+    """An integer array as it is (C++ checks the range), anything else as int64 (an empty list too)."""
+    if isinstance(tokens, np.ndarray) and (tokens.dtype.kind in "iu" or tokens.size):
+        return tokens
+    return np.asarray(tokens, dtype=np.int64)
 
 
 __all__ = ["RecentOutputs"]

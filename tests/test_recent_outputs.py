@@ -1,5 +1,6 @@
-"""Recent outputs: the store's drafts against a brute-force reference (eviction included), its
-bounds and locking, and the engine drafting one request from another's output."""
+"""Recent outputs: the store's drafts against a brute-force reference (eviction included) and against
+the numpy implementation the C++ store replaced (tests/reference.py), its bounds, bad input and
+locking, and the engine drafting one request from another's output."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import threading
 
 import numpy as np
 import pytest
+from reference import RecentOutputsReference
 from tiny_models import tiny_model
 
 import sssd
+from sssd import _core
 from sssd.recent_outputs import MATCH_DAMPING, RecentOutputs
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
@@ -137,6 +140,163 @@ def test_bad_parameters_are_refused():
     assert sssd.RecentOutputs is RecentOutputs
 
 
+def walk_back(ref: RecentOutputsReference, rid: int) -> list[int]:
+    """The reference's tokens of a request, its links walked back from its last token while alive."""
+    at, seen = ref._last.get(rid, 0), []
+    while ref._alive(at):
+        seen.append(int(ref.tokens[(at - 1) % ref.capacity]))
+        at = int(ref.prev[(at - 1) % ref.capacity])
+    return seen[::-1]
+
+
+EQUIVALENCE = [  # seed, capacity, vocabulary, and the store's parameters
+    (0, 50, 4, {}),
+    (1, 37, 3, {"max_chain": 3, "max_matches": 2}),
+    (2, 300, 6, {"max_chain": 1}),
+    (3, 120, 5, {"min_match": 3, "max_match": 5, "max_matches": 1, "depth": 10}),
+    (4, 2, 3, {"max_chain": 2}),  # too small to draft from: a match and its continuation are 3 tokens
+    (5, 64, 8, {"max_match": 2, "depth": 5, "depth_per_match": 0.0}),
+    (6, 1000, 5, {"max_chain": 10**6, "max_matches": 10**6, "depth_per_match": 100.0}),
+    (7, 200, 4, {"min_match": 4, "max_match": 12, "depth_per_match": 1.5, "max_chain": 8}),
+    (8, 17, 2, {"max_matches": 3, "depth": 1}),
+    (9, 500, 12, {"depth_per_match": 0.37, "max_chain": 5}),
+]
+
+
+@pytest.mark.parametrize("seed, capacity, vocab, kw", EQUIVALENCE)
+def test_the_store_drafts_exactly_as_the_numpy_implementation(seed, capacity, vocab, kw):
+    """Many requests opening, writing, closing and reopening interleaved; small capacities (the ring
+    wraps, requests' own links are overwritten), small vocabularies (repeats everywhere, long chains),
+    token ids up to 2^31 - 1 (the hash as numpy computes it), budgets from 0 up."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 2**31, vocab)  # the vocabulary: a few large ids among small ones
+    ids[: vocab // 2] = np.arange(vocab // 2)
+    phrases = [rng.integers(0, vocab, int(rng.integers(2, 10))) for _ in range(5)]
+
+    def some_tokens(n):
+        if rng.random() < 0.6:
+            p = phrases[int(rng.integers(len(phrases)))]
+            return ids[p[int(rng.integers(len(p))) :][:n]]
+        return ids[rng.integers(0, vocab, n)]
+
+    src, ref = RecentOutputs(capacity=capacity, **kw), RecentOutputsReference(capacity=capacity, **kw)
+    contexts: dict[int, np.ndarray] = {}
+    compared = drafted = 0
+    for step in range(250):
+        rid = int(rng.integers(0, 9))
+        roll = rng.random()
+        if rid not in contexts or roll < 0.08:  # (re)open: a prompt of 0 to 14 tokens
+            prompt = some_tokens(int(rng.integers(0, 15)))
+            contexts[rid] = prompt
+            src.open(rid, prompt)
+            ref.open(rid, prompt)
+        elif roll < 0.12:  # closed: its tokens stay, its next writes start unlinked
+            src.close(rid)
+            ref.close(rid)
+        new = some_tokens(int(rng.integers(0, 7)))
+        src.extend(rid, new)
+        ref.extend(rid, new)
+        contexts[rid] = np.concatenate([contexts[rid], new])
+        chosen = rng.permutation(list(contexts))[: int(rng.integers(1, len(contexts) + 1))]
+        budgets = rng.choice([0, 1, 2, 3, 7, 16, 40, 64, 200], size=chosen.shape[0])
+        requests = [DraftRequest(int(r), contexts[int(r)], int(b)) for r, b in zip(chosen, budgets)]
+        if rng.random() < 0.2:  # a context no request wrote (another engine's id, a fresh context)
+            requests.append(DraftRequest(99, some_tokens(int(rng.integers(0, 10))), int(rng.integers(0, 30))))
+        got, want = src.propose(requests), ref.propose(requests)
+        for req, c, w in zip(requests, got, want):
+            where = f"step {step}, request {req.request_id}, budget {req.budget}"
+            assert (c is None) == (w is None), where
+            if c is None:
+                continue
+            c.check(None)
+            assert c.tokens.dtype == np.int64 and c.parents.dtype == np.int32 and c.weights.dtype == np.float32
+            assert as_paths(c) == pytest.approx(as_paths(w), rel=0, abs=1e-6), where
+            assert max(len(p) for p in as_paths(c)) <= req.budget, where
+            drafted += 1
+        compared += len(requests)
+    assert len(src) == len(ref) and src.written == ref.written
+    for rid in contexts:
+        assert src.history(rid).tolist() == walk_back(ref, rid)
+    assert capacity < 3 or drafted > compared // 10, "the load drafts often enough to compare"
+
+
+def test_bad_input_is_refused_and_leaves_the_store_usable():
+    src = RecentOutputs(capacity=64)
+    src.open(1, np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="negative"):
+        src.extend(1, np.array([4, -5]))
+    with pytest.raises(ValueError, match="negative"):
+        src.open(2, np.array([-1, 4]))
+    with pytest.raises(ValueError, match="exceeds"):
+        src.extend(1, np.array([2**32 - 1]))
+    with pytest.raises(ValueError, match="request ids"):
+        src.extend(-1, np.array([4]))
+    with pytest.raises(TypeError, match="integers"):
+        src.extend(1, np.array([1.5]))
+    src.extend(1, np.array([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="budgets"):
+        src.propose([DraftRequest(2, np.array([1, 2]), 8), DraftRequest(3, np.array([1, 2]), -1)])
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        src.propose([DraftRequest(2, np.array([1, -2, 2]), 8)])
+    (c,) = src.propose([DraftRequest(2, np.array([1, 2]), 8)])  # nothing was written by the failures
+    assert as_paths(c) == pytest.approx(
+        {(3,): 0.8**6, (3, 4): 0.5, (3, 1): 0.5, (3, 1, 2): 1.0, (3, 1, 2, 3): 1.0, (3, 1, 2, 3, 4): 1.0}
+    )
+    assert src.written == 7 and src.history(1).tolist() == [1, 2, 3, 1, 2, 3, 4]
+    for kw in (
+        {"capacity": 0},
+        {"capacity": -3},
+        {"max_chain": 0},
+        {"max_matches": 0},
+        {"depth_per_match": -1.0},
+        {"depth_per_match": float("nan")},
+    ):
+        with pytest.raises(ValueError):
+            RecentOutputs(**kw)
+
+
+def test_the_core_store_checks_its_arrays():
+    store = _core.RecentStore(16, 4)
+    store.extend(1, np.array([1, 2, 3]))
+    ids, b = np.array([2]), np.array([4])
+    assert store.propose(ids, [np.array([9, 1, 2, 3])], b)[1].tolist() == []  # 3 was the last token
+    assert store.propose(ids, [np.array([5, 5, 9, 1, 2])], b)[1].tolist() == [3]  # the last 4 are read
+    assert store.propose(ids, [[1, 2]], b)[1].tolist() == [3]  # any integer sequence
+    assert store.propose(ids, [np.array([1, 2], dtype=np.uint8)], b)[1].tolist() == [3]
+    assert store.propose(ids, [np.array([7, 1, 0, 2])[1::2]], b)[1].tolist() == [3]  # a strided view: 1 2
+    with pytest.raises(ValueError, match="one per request"):
+        store.propose(np.array([2, 3]), [np.array([1, 2])], np.array([4, 4]))
+    with pytest.raises(ValueError, match="budgets"):
+        store.propose(ids, [np.array([1, 2])], np.array([4, 4]))
+    with pytest.raises(ValueError, match="budgets"):
+        store.propose(ids, [np.array([1, 2])], np.array([-1]))
+    with pytest.raises(TypeError, match="token ids"):
+        store.propose(ids, [np.array([1.0, 2.0])], b)
+    with pytest.raises(TypeError, match="token ids"):
+        store.propose(ids, [np.zeros((2, 2), dtype=np.int64)], b)
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        store.propose(ids, [np.array([-3, 1, 2])], b)
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        store.propose(ids, [np.array([1, 2**32 - 1], dtype=np.uint64)], b)
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        store.propose(ids, [np.array([1, 2**63 + 5], dtype=np.uint64)], b)
+    with pytest.raises(ValueError, match="request ids"):
+        store.propose(np.array([-2]), [np.array([1, 2])], b)
+    with pytest.raises(ValueError, match="match_damping"):
+        _core.RecentStore(16, match_damping=1.5)
+    empty = store.propose(np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64))
+    assert [a.tolist() for a in empty] == [[0], [], [], []]
+    assert store.memory_bytes() == 16 * 40 + 16 * 8 and len(store) == 3 and store.capacity == 16
+
+
+def test_the_core_store_damps_with_its_own_factor():
+    store = _core.RecentStore(100, 4, match_damping=0.5)
+    store.extend(1, np.array([0, 5, 6, 7, 8, 5, 6, 9]))
+    offsets, tokens, parents, weights = store.propose(np.array([2]), [np.array([3, 5, 6])], np.array([8]))
+    assert tokens[:2].tolist() == [7, 9] and parents[:2].tolist() == [-1, -1]
+    assert weights[:2].tolist() == pytest.approx([0.5 * 0.5**2] * 2)
+
+
 def test_concurrent_writers_and_readers_keep_each_request_in_order():
     src = RecentOutputs(capacity=1 << 12)
     errors = []
@@ -156,12 +316,8 @@ def test_concurrent_writers_and_readers_keep_each_request_in_order():
     for t in threads:
         t.join()
     assert not errors and len(src) == 4 * 401
-    for rid in range(4):  # walk each request's links back from its last token
-        at, seen = src._last[rid], []
-        while at:
-            seen.append(int(src.tokens[(at - 1) % src.capacity]))
-            at = int(src.prev[(at - 1) % src.capacity])
-        assert seen[::-1] == [rid] + [t for i in range(200) for t in (rid, 1000 + i)]
+    for rid in range(4):  # each request's links walked back from its last token
+        assert src.history(rid).tolist() == [rid] + [t for i in range(200) for t in (rid, 1000 + i)]
 
 
 # -- the engine --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include "sssd/datastore.h"
 #include "sssd/drafter.h"
 #include "sssd/parent_tree.h"
+#include "sssd/recent_store.h"
 #include "sssd/request_trie.h"
 #include "sssd/suffix_automaton.h"
 #include "sssd/suffix_sort.h"
@@ -355,6 +356,92 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def_property_readonly("max_depth", &sssd::RequestTrie::max_depth)
       .def("memory_bytes", &sssd::RequestTrie::memory_bytes)
       .def("check_integrity", &sssd::RequestTrie::check_integrity);
+
+  py::class_<sssd::RecentStore>(m, "RecentStore")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>(), "capacity"_a,
+           "max_match"_a = 8, "min_match"_a = 2, "max_matches"_a = 16, "depth"_a = 64, "max_chain"_a = 64,
+           "depth_per_match"_a = 8.0, "match_damping"_a = 0.8,
+           "The other requests' recent tokens in a ring of `capacity`, and drafts from them (recent_store.h).")
+      .def("open", [](sssd::RecentStore& s, py::handle rid, const py::array& prompt_tail) {
+        const uint64_t id = request_id(rid);
+        const Tokens p(prompt_tail, "prompt");
+        py::gil_scoped_release release;
+        s.open(id, p.span());
+      }, "request_id"_a, "prompt_tail"_a, "Starts a request: stores the prompt's last max_match tokens.")
+      .def("extend", [](sssd::RecentStore& s, py::handle rid, const py::array& tokens) {
+        const uint64_t id = request_id(rid);
+        const Tokens t(tokens, "tokens");
+        py::gil_scoped_release release;
+        s.extend(id, t.span());
+      }, "request_id"_a, "tokens"_a)
+      .def("close", [](sssd::RecentStore& s, py::handle rid) {
+        const uint64_t id = request_id(rid);
+        py::gil_scoped_release release;
+        s.close(id);
+      }, "request_id"_a, "Forgets the request's place; its tokens stay until the ring overwrites them.")
+      .def("propose", [](const sssd::RecentStore& s, const py::array& ids, const py::sequence& contexts,
+                         const py::array& budgets) {
+        const RequestIds id_span(ids);
+        const size_t R = id_span.span().size(), K = size_t(s.max_match());
+        if (size_t(py::len(contexts)) != R) {
+          throw py::value_error("contexts: expected " + std::to_string(R) + " (one per request), got " +
+                                std::to_string(py::len(contexts)));
+        }
+        if (budgets.ndim() != 1 || (budgets.dtype().kind() != 'i' && budgets.dtype().kind() != 'u')) {
+          throw py::type_error("budgets: expected a 1-D integer array");
+        }
+        const py::array_t<int64_t, py::array::c_style | py::array::forcecast> b(budgets);
+        // Each context's last max_match tokens, newest first, -1 before its start.
+        std::vector<int64_t> queries(R * K, -1);
+        for (size_t r = 0; r < R; ++r) {
+          const py::array c = py::array::ensure(contexts[r]);
+          const char kind = c ? c.dtype().kind() : 0;
+          if (!c || c.ndim() != 1 || (kind != 'i' && kind != 'u')) {
+            throw py::type_error("contexts[" + std::to_string(r) + "]: expected a 1-D array of token ids");
+          }
+          const py::array_t<int64_t, py::array::forcecast> t(c);  // a view when it is int64 already
+          const auto v = t.unchecked<1>();
+          const size_t n = size_t(t.shape(0)), keep = std::min(n, K);
+          for (size_t j = 0; j < keep; ++j) {
+            const int64_t x = v(py::ssize_t(n - 1 - j));
+            if (x < 0 || x > int64_t(sssd::kMaxTokenId)) {
+              throw py::value_error("contexts[" + std::to_string(r) + "]: token ids are >= 0 and <= " +
+                                    std::to_string(sssd::kMaxTokenId) + ", got " +
+                                    (kind == 'u' ? std::to_string(uint64_t(x)) : std::to_string(x)));
+            }
+            queries[r * K + j] = x;
+          }
+        }
+        const std::span<const int64_t> b_span(b.data(), size_t(b.size()));
+        sssd::RecentDrafts drafts;
+        {
+          py::gil_scoped_release release;
+          drafts = s.propose(id_span.span(), queries, b_span);
+        }
+        return py::make_tuple(to_numpy(std::move(drafts.offsets)), to_numpy(std::move(drafts.tokens)),
+                              to_numpy(std::move(drafts.parents)), to_numpy(std::move(drafts.weights)));
+      }, "request_ids"_a, "contexts"_a, "budgets"_a,
+         "Drafts for a batch: request_ids [R], contexts (R 1-D integer arrays: each request's tokens so far; "
+         "only the last max_match are read), budgets [R] (>= 0). Returns (offsets [R + 1], tokens int64, "
+         "parents int32 (request-local, -1: the root), weights float32): request r's nodes are "
+         "offsets[r]:offsets[r + 1].")
+      .def("history", [](const sssd::RecentStore& s, py::handle rid) {
+        const uint64_t id = request_id(rid);
+        std::vector<sssd::token_t> h;
+        {
+          py::gil_scoped_release release;
+          h = s.history(id);
+        }
+        std::vector<int64_t> out(h.begin(), h.end());
+        return to_numpy(std::move(out));
+      }, "request_id"_a, "The request's tokens still held, oldest first (its links walked back).")
+      .def("__len__", &sssd::RecentStore::size, "tokens held")
+      .def_property_readonly("written", &sssd::RecentStore::written, "tokens ever written")
+      .def_property_readonly("capacity", &sssd::RecentStore::capacity)
+      .def_property_readonly("max_match", &sssd::RecentStore::max_match)
+      .def("memory_bytes", &sssd::RecentStore::memory_bytes, "bytes allocated (the ring and the bucket heads)")
+      .def_readonly_static("MIN_DEPTH", &sssd::RecentStore::kMinDepth,
+                           "tokens followed after a match however short (unless depth or the budget is smaller)");
 
   py::class_<sssd::ScoreTable>(m, "ScoreTable")
       .def(py::init(&make_table), "max_match"_a, "max_depth"_a, "factors"_a, "curve_of"_a = py::none(),
