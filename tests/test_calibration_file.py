@@ -319,7 +319,9 @@ def test_an_engine_without_a_drafter_takes_the_packaged_calibration_only_where_i
     assert eng.drafter_configs == sssd.DrafterConfig() and list(eng.drafting.entries) == [0]
 
 
-def test_sssd_calibrate_records_the_fingerprint(tmp_path, store, model_dir, capsys, monkeypatch):
+def test_sssd_calibrate_records_the_fingerprint_and_a_recent_outputs_discount(
+    tmp_path, store, model_dir, capsys, monkeypatch
+):
     from sssd.cli import main
 
     monkeypatch.setenv("SSSD_CACHE_DIR", str(tmp_path / "cache"))
@@ -365,9 +367,18 @@ def test_sssd_calibrate_records_the_fingerprint(tmp_path, store, model_dir, caps
             "--workers",
             "1",
             *grid,
+            "--draft",
+            "recent",
+            "--draft-scales",
+            "0.5",
+            "1",
         ]
     )
     assert code == 0, capsys.readouterr().err
     cal = CalibrationFile.load(out)
+    # `--draft recent` needs no model: the other requests' outputs, fitted on the same examples
+    assert set(cal.sources) == {"recent"} and cal.sources["recent"].scale in (0.5, 1.0)
+    fitted = json.loads(out.read_text())["sources"]["recent"]
+    assert fitted["steps"] > 0 and len(fitted["grid"]) >= 4
     assert cal.fingerprint == Fingerprint.of(store, model_dir) and cal.fingerprint.model_name == "my-model"
     assert list(cal.entries) == [4, 8] and cal.check(store, model_dir) == []

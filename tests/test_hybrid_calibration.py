@@ -18,7 +18,8 @@ from tiny_models import tiny_model
 from sssd.calibration.hybrid import discount_grid, fit_source_discount
 from sssd.calibration.replay import Example
 from sssd.calibration_file import CalibrationFile
-from sssd.config import SourceDiscount
+from sssd.config import DrafterConfig, SourceDiscount
+from sssd.recent_outputs import RecentOutputs
 from sssd.serving.drafting.model_drafter import ModelDrafter
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
@@ -92,6 +93,25 @@ def test_a_perfect_drafter_is_trusted_and_an_unrelated_one_is_not(llama, other, 
     by_scale = {d.scale: m for d, m in other_fit.grid}
     assert by_scale[0.01] >= by_scale[100.0]
     assert self_fit.best_mat > other_fit.best_mat
+
+
+def test_recent_outputs_pay_where_requests_repeat_each_other():
+    """Requests that answer with one shared passage (an agent's repeated plan): replayed two at a
+    time, the later ones draft it from the earlier answers, which their own tokens cannot give
+    them; every discount scores above retrieval alone, and the estimates are tokens per step."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(100, 1000, size=40)
+    examples = [
+        Example(rng.integers(1000, 2000, size=12), np.concatenate([rng.integers(2000, 3000, size=3), shared]))
+        for _ in range(6)
+    ]
+    cfg = DrafterConfig(use_datastore=False)
+    grid = discount_grid(SourceDiscount(), scales=(0.5, 2.0), decays=(1.0,))
+    fit = fit_source_discount(examples, None, cfg, RecentOutputs(), 16, grid, batch_size=2, key="recent")
+    assert fit.source == "recent" and fit.tokens == sum(len(e.output) for e in examples)
+    assert all(m > fit.retrieval_mat * 1.5 for _, m in fit.grid)
+    assert fit.retrieval_mat < 2.0  # nothing repeats within a request
+    assert fit.best_mat <= 17.0  # at most the budget and the bonus token per step
 
 
 def _file(tmp_path, sources) -> CalibrationFile:

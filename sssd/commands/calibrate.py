@@ -75,10 +75,12 @@ def setup(p: argparse.ArgumentParser):
         "--draft",
         action="append",
         default=[],
-        metavar="model:NAME",
-        help="also fit the merge discount of this draft model beside retrieval (repeatable; a model "
-        "name or folder with the target's tokenizer): replays the development split once with the "
-        "draft model and scores every discount of the grid on the same steps (calibration/hybrid.py)",
+        metavar="SOURCE",
+        help="also fit the merge discount of this draft source beside retrieval (repeatable): "
+        "model:NAME, a draft model (a name or folder with the target's tokenizer), or recent, the "
+        "other requests' recent outputs (replayed 8 requests at a time, in the files' order, so that "
+        "each request sees the outputs of the ones before it); replays the development split once with "
+        "the source and scores every discount of the grid on the same steps (calibration/hybrid.py)",
     )
     p.add_argument(
         "--draft-scales",
@@ -100,7 +102,8 @@ def setup(p: argparse.ArgumentParser):
         "--draft-limit",
         type=_args.int_range(0),
         default=32,
-        help="examples the draft-model fit replays (0: all; each step runs the draft model)",
+        help="examples the draft-model fit replays (0: all; each step runs the draft model); the "
+        "recent-outputs fit replays all of them",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -154,10 +157,12 @@ def setup(p: argparse.ArgumentParser):
                 bar.close()
 
         fingerprint = _fingerprint(datastore, tokenizer, args.model, models)  # before the long run: it may warn
-        target = _target_model(args.model, models) if drafts else None  # before the long run: it may refuse
+        needs_target = any(kind == "model" for kind, _ in drafts)
+        target = _target_model(args.model, models) if needs_target else None  # before the long run: it may refuse
         result = calibrate(examples, datastore, args.budgets, axes, args.default_budget or None, args.workers, progress)
-        for spec in drafts:
-            fit = _fit_draft(spec, target, examples[: args.draft_limit or None], datastore, result, tokenizer, args)
+        for kind, name in drafts:
+            chosen = examples[: args.draft_limit or None] if kind == "model" else examples
+            fit = _fit_draft(kind, name, target, chosen, datastore, result, args)
             result.sources[fit.source] = fit.to_dict()
             print(
                 f"{fit.source}: discount scale {fit.best.scale:g}, depth decay {fit.best.depth_decay:g} at budget "
@@ -194,19 +199,21 @@ def setup(p: argparse.ArgumentParser):
     return run
 
 
-def _draft_specs(specs: list[str]) -> list[str]:
-    """The `--draft` specs' model names or folders (ValueError for anything but model:<name>)."""
+def _draft_specs(specs: list[str]) -> list[tuple[str, str]]:
+    """The `--draft` specs as (kind, argument): ("model", name or folder) or ("recent", "")
+    (ValueError for any other source)."""
     from sssd.sources import parse_spec
 
     out = []
     for spec in specs:
         kind = parse_spec(spec)
-        if not isinstance(kind, tuple) or kind[0] != "model":
+        if not isinstance(kind, tuple) or kind[0] not in ("model", "recent"):
             raise ValueError(
-                f"argument --draft: {spec!r}: only draft models (model:<name or folder>) are fitted "
-                f"here; retrieval is what the rest of the run calibrates"
+                f"argument --draft: {spec!r}: only draft models (model:<name or folder>) and the recent "
+                f"outputs (recent) are fitted here; retrieval is what the rest of the run calibrates"
             )
-        out.append(kind[1])
+        if kind not in out:
+            out.append(kind)
     return out
 
 
@@ -227,17 +234,25 @@ def _target_model(model: str | None, headers: list):
     return resolve_model(str(model))
 
 
-def _fit_draft(name: str, target, examples, datastore, result, tokenizer, args):
-    """Fits one draft model's discount at the run's default budget (calibration/hybrid.py), with progress."""
+def _fit_draft(kind: str, name: str, target, examples, datastore, result, args):
+    """Fits one draft source's discount at the run's default budget (calibration/hybrid.py), with progress:
+    a draft model (kind "model") or the recent outputs (kind "recent")."""
     from tqdm import tqdm
 
     from sssd.calibration.hybrid import DEFAULT_DECAYS, DEFAULT_SCALES, discount_grid, fit_source_discount
-    from sssd.serving.drafting.model_drafter import ModelDrafter
 
     budget = result.default_budget
     batch = 8
-    longest = max(len(e.prompt) + len(e.output) for e in examples)
-    source = ModelDrafter(name, target=target, slots=batch, capacity=longest + 2 * budget + 2, threads=None)
+    if kind == "recent":
+        from sssd.recent_outputs import RecentOutputs
+
+        source, vocab_size = RecentOutputs(), None
+    else:
+        from sssd.serving.drafting.model_drafter import ModelDrafter
+
+        longest = max(len(e.prompt) + len(e.output) for e in examples)
+        source = ModelDrafter(name, target=target, slots=batch, capacity=longest + 2 * budget + 2, threads=None)
+        vocab_size = source.backend.info.vocab_size
     grid = discount_grid(source.discount, args.draft_scales or DEFAULT_SCALES, args.draft_decays or DEFAULT_DECAYS)
     bar = tqdm(
         total=sum(len(e.output) for e in examples),
@@ -259,7 +274,7 @@ def _fit_draft(name: str, target, examples, datastore, result, tokenizer, args):
             grid,
             batch_size=batch,
             key=source.calibration_key,
-            vocab_size=source.backend.info.vocab_size,
+            vocab_size=vocab_size,
             progress=progress,
         )
     finally:
