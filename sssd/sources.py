@@ -97,9 +97,8 @@ class DraftPipeline:
         cfg = drafter_config_for(self.entries)  # (for one config, that config; else tries deep enough for every entry)
         self.drafter = Drafter(ds, cfg, external_sources=discounts)
         self.retrieval = bool(retrieval)
-        names = {0: "datastore", 1: "input"}
-        names.update({2 + i: s.name for i, s in enumerate(self.external)})
-        self.source_names = names
+        #: source tag -> name, for the merged trees' `sources` (the copy source is retrieval's too)
+        self.source_names = self._names()
         #: the target's top-k next tokens per verified node that the sources observe (0: none)
         self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
         self._failed: set[tuple[int, int]] = set()  # (source index, request id) whose state is lost
@@ -201,13 +200,11 @@ class DraftPipeline:
         self._sources_changed()
         return source
 
+    def _names(self) -> dict[int, str]:
+        return {0: "datastore", 1: "input", **{2 + i: s.name for i, s in enumerate(self.external)}, SOURCE_COPY: "copy"}
+
     def _sources_changed(self) -> None:
-        self.source_names = {
-            0: "datastore",
-            1: "input",
-            **{2 + i: s.name for i, s in enumerate(self.external)},
-            SOURCE_COPY: "copy",
-        }
+        self.source_names = self._names()
         self.observe_topk = max((int(s.observe_topk) for s in self.external), default=0)
 
     def _fit_merge(self, sources: Sequence[DraftSource]) -> None:

@@ -237,3 +237,18 @@ def tree_paths(tree):
         for c in kids.get(node, []):
             stack.append((c, path + [int(tree.tokens[c])]))
     return out
+
+
+def test_a_pipeline_names_the_copy_sources_nodes_from_the_start():
+    """The engine names accepted tokens by the pipeline's source_names: a fresh pipeline (no source
+    added or removed since) must know the copy source's tag, or its tokens are counted as "external"."""
+    from sssd.sources import DraftPipeline, DraftRequest, RetrievalSource
+
+    pipe = DraftPipeline([RetrievalSource(None)], sssd.DrafterConfig(use_datastore=False))
+    text = np.arange(100, 140).tolist() * 2 + list(range(100, 110))  # a 40-token passage, copied again
+    pipe.open(0, np.asarray(text))
+    batch = pipe.draft([DraftRequest(0, np.asarray(text), 16)])
+    tags = set(batch.sources.tolist())
+    assert 15 in tags and pipe.source_names[15] == "copy"
+    assert all(t in pipe.source_names for t in tags)
+    pipe.close(0)
