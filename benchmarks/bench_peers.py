@@ -39,6 +39,9 @@ Usage (SuffixDecoding and ADED need .venv-peers: bash benchmarks/peers/setup_arc
   OMP_WAIT_POLICY=passive .venv-peers/bin/python benchmarks/bench_peers.py --limit 100
   python benchmarks/bench_peers.py --peers pld ngram rest --sets sharegpt-heldout --limit 50
   python benchmarks/bench_peers.py --peers pld ngram --sets code-edits agent-traces quoting --limit 100
+  .venv-peers/bin/python benchmarks/bench_peers.py --peers pld suffix --suffix-global none --suffix-keep-responses \
+      --sets code-edits agent-traces quoting --limit 100 --sssd-config sssd/data/calibration-smollm2.json \
+      --sssd-recent --no-ablation --batch-size 8   # across requests: each sees the answers before it
   python benchmarks/bench_peers.py --plot-only benchmarks/out/peers.jsonl   # redraw the figure
 """
 
@@ -68,6 +71,7 @@ SSSD_DEFAULT = "SSSD (default)"
 SSSD_CALIBRATED = "SSSD (calibrated)"
 SSSD_INPUT_ONLY = "SSSD input only"
 SSSD_DATASTORE_ONLY = "SSSD datastore only"
+SSSD_RECENT = "SSSD (calibrated) + recent"
 
 
 # -- data ---------------------------------------------------------------------
@@ -250,6 +254,44 @@ class System:
     is_peer: bool = True
 
 
+class PipelineDrafter:
+    """SSSD's drafting stage with sources beside retrieval (sssd.DraftPipeline, as an engine drafts)
+    behind the replay interface: here retrieval and the other requests' recent outputs
+    (sssd.RecentOutputs), which sees every request of the replay, running or finished."""
+
+    def __init__(self, datastore: sssd.Datastore, config: Any, threads: int):
+        from sssd.recent_outputs import RecentOutputs
+        from sssd.sources import DraftPipeline, RetrievalSource
+
+        self.pipeline = DraftPipeline([RetrievalSource(datastore, num_threads=threads), RecentOutputs()], config)
+        self._ctx: dict[int, Any] = {}
+
+    def open(self, request_id: int, prompt: Any) -> None:
+        from peers._base import Context
+
+        self.pipeline.open(int(request_id), prompt)
+        self._ctx[int(request_id)] = Context(prompt)
+
+    def extend_batch(self, request_ids, token_lists) -> None:
+        ids = [int(i) for i in np.asarray(request_ids).tolist()]
+        self.pipeline.extend_batch(ids, [np.asarray(t, dtype=np.int64) for t in token_lists])
+        for rid, toks in zip(ids, token_lists):
+            self._ctx[rid].extend(toks)
+
+    def close(self, request_id: int) -> None:
+        self.pipeline.close(int(request_id))
+        del self._ctx[int(request_id)]
+
+    def draft(self, request_ids, budget: int) -> sssd.DraftBatch:
+        from sssd.sources import DraftRequest
+
+        ids = [int(i) for i in np.asarray(request_ids).tolist()]
+        return self.pipeline.draft([DraftRequest(i, self._ctx[i].tokens, int(budget)) for i in ids])
+
+    def __len__(self) -> int:
+        return len(self._ctx)
+
+
 def fmt_settings(s: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
 
@@ -317,6 +359,18 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
             # 1-6 ms a call (hours for the sweep): only with --suffix-slow.
             probs = (0.0, 0.01, 0.05, 0.1) if args.suffix_slow else (0.01, 0.05, 0.1)
             grid = [{"max_spec_factor": f, "min_token_prob": p} for f in (1.0, 4.0, 16.0, 64.0) for p in probs]
+            if args.suffix_keep_responses:  # a fresh cache per replay: its global tree fills with that replay's answers
+                systems.append(
+                    System(
+                        suffix_decoding.NAME + " + responses",
+                        grid,
+                        lambda s: suffix_decoding.SuffixDecodingDrafter(
+                            suffix_decoding.WarmCache(np.zeros(0, dtype=np.uint32), max_tree_depth=64),
+                            keep_responses=True,
+                            **s,
+                        ),
+                    )
+                )
             systems.append(
                 System(suffix_decoding.NAME, grid, lambda s: suffix_decoding.SuffixDecodingDrafter(warm, **s))
             )
@@ -347,6 +401,17 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
         cal = sssd_system(SSSD_CALIBRATED)
         cal.grid = [{"config": args.sssd_config}]
         systems.append(cal)
+    if args.sssd_recent:
+        if not args.sssd_config:
+            raise SystemExit(
+                "--sssd-recent needs --sssd-config (the file whose sources entry weighs the recent outputs)"
+            )
+        from sssd.calibration_file import load_drafter
+
+        calibrated = load_drafter(args.sssd_config)
+        systems.append(
+            System(SSSD_RECENT, [{}], lambda s, budget=None: PipelineDrafter(datastore, calibrated, threads), False)
+        )
     if not args.no_ablation:
         systems.append(sssd_system(SSSD_INPUT_ONLY, use_datastore=False))
         systems.append(sssd_system(SSSD_DATASTORE_ONLY, use_input=False))
@@ -518,6 +583,18 @@ def main() -> int:
     ap.add_argument("--sssd-config", help="calibrated SSSD parameter file (sssd calibrate), also reported")
     ap.add_argument("--no-ablation", action="store_true", help="skip SSSD input-only / datastore-only")
     ap.add_argument(
+        "--sssd-recent",
+        action="store_true",
+        help="also SSSD calibrated with the other requests' recent outputs (sssd.RecentOutputs) beside "
+        "retrieval, weighed by the --sssd-config file's fitted discount (sssd calibrate --draft recent)",
+    )
+    ap.add_argument(
+        "--suffix-keep-responses",
+        action="store_true",
+        help="also SuffixDecoding whose global tree keeps every finished answer of the replay (its "
+        "serving default; a fresh cache per replay); with a small --batch-size later requests see earlier answers",
+    )
+    ap.add_argument(
         "--suffix-global",
         choices=("corpus", "none"),
         default="corpus",
@@ -558,7 +635,7 @@ def main() -> int:
         print(n)
     records: list[dict] = []
     goal_lines: list[str] = []
-    reference = SSSD_CALIBRATED if args.sssd_config else SSSD_DEFAULT
+    reference = SSSD_RECENT if args.sssd_recent else SSSD_CALIBRATED if args.sssd_config else SSSD_DEFAULT
     for es in sets:
         if not any(es.evals.values()):
             print(f"\n== {es.name}: no evaluation examples; skipped")

@@ -17,6 +17,10 @@ the development sweep) never drafts from an earlier copy of the answer.
 Tree speculation (``use_tree_spec=True``) is used by default: the replay
 verifies trees, and SSSD drafts trees. Its defaults (``max_spec_factor=1``,
 ``min_token_prob=0.1``) draft few tokens; benchmarks sweep both.
+
+With ``keep_responses`` a closed request's response stays in the global tree
+(SuffixDecoding's serving behaviour: later requests draft from earlier
+answers); give each replay a fresh cache then.
 """
 
 from __future__ import annotations
@@ -92,8 +96,10 @@ class SuffixDecodingDrafter:
         min_token_prob: float = 0.1,
         max_spec_offset: float = 0.0,
         use_tree_spec: bool = True,
+        keep_responses: bool = False,
     ):
         self.warm = warm
+        self.keep_responses = keep_responses
         self.cache = warm.cache
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -112,7 +118,7 @@ class SuffixDecodingDrafter:
 
     def with_settings(self, **settings: Any) -> SuffixDecodingDrafter:
         """Another drafter on the same warmed cache."""
-        return SuffixDecodingDrafter(self.warm, **{**self.settings(), **settings})
+        return SuffixDecodingDrafter(self.warm, keep_responses=self.keep_responses, **{**self.settings(), **settings})
 
     def open(self, request_id: int, prompt: Any) -> None:
         rid = int(request_id)
@@ -130,7 +136,8 @@ class SuffixDecodingDrafter:
     def close(self, request_id: int) -> None:
         rid = int(request_id)
         self.cache.stop_request(rid)
-        self.cache.evict_cached_response(rid)
+        if not self.keep_responses:
+            self.cache.evict_cached_response(rid)
         del self._ctx[rid]
 
     def draft_one(self, rid: int, budget: int):
