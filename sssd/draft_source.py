@@ -15,7 +15,8 @@ SSSD's drafting) is the first source, `RetrievalSource`. A user's own
 source is any subclass of DraftSource implementing `propose`; the engine
 takes a list of sources or spec strings::
 
-    sssd.LLM(model, draft=["retrieval"])            # the default
+    sssd.LLM(model, draft=["retrieval", "recent"])  # the default
+    sssd.LLM(model, draft=["retrieval"])            # retrieval alone
     sssd.LLM(model, draft=[])                       # plain decoding, the same engine
     sssd.LLM(model, draft=["retrieval", MySource()])
     sssd serve --draft retrieval

@@ -149,7 +149,8 @@ def test_two_datastores_are_lossless_and_the_extra_one_drafts(model, stores, pla
         datastore=[stores["unrelated"], stores["answers"]],
         config=EngineConfig(max_model_len=256, budget=8, max_running=2),
     )
-    assert [s.name for s in eng.drafting.external] == ["answers"]
+    # the default sources (retrieval, recent), then the extra datastore
+    assert [s.name for s in eng.drafting.external] == ["recent", "answers"]
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
     by = eng.metrics.accepted_by_source
@@ -274,7 +275,7 @@ def test_admin_endpoints_need_the_key_and_the_flag(model, stores):
     try:
         assert httpx.get(s.url + "/v1/admin/datastores").status_code == 401
         r = httpx.post(s.url + "/v1/admin/datastores", json={"path": str(stores["answers"])})
-        assert r.status_code == 401 and not s.engine.drafting.external
+        assert r.status_code == 401 and [x.name for x in s.engine.drafting.external] == ["recent"]  # nothing added
         assert httpx.delete(s.url + "/v1/admin/datastores/x").status_code == 401
         key = {"authorization": "Bearer sekret"}
         assert httpx.get(s.url + "/v1/admin/datastores", headers=key).json()["data"] == []

@@ -78,12 +78,13 @@ def setup(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--draft",
-        default="retrieval",
-        help="draft sources, comma-separated: retrieval (the datastore and the request's own tokens), "
+        default="retrieval,recent",
+        help="draft sources, comma-separated (default: retrieval,recent): retrieval (the datastore and "
+        "the request's own tokens), "
         "model:NAME or model:FOLDER (a small model with the target's tokenizer drafting token "
         "trees, e.g. model:qwen2.5-coder-0.5b-instruct for Qwen2.5-Coder-1.5B), "
         "recycle or recycle:K (Token Recycling: the model's own top-K predictions at verified "
-        "tokens), recent (other requests' recent outputs), self:snapkv or self:streamingllm "
+        "tokens), recent (other requests' recent outputs, running or finished), self:snapkv or self:streamingllm "
         "(MagicDec: the model itself over a sparse KV of 512 positions, or self:snapkv:N of N; "
         "for long contexts); 'none' serves without speculation",
     )
