@@ -76,6 +76,32 @@ def test_a_sound_profile_is_trusted_and_a_pass_that_waited_for_the_cpu_is_not():
     assert profile_problem(ForwardProfile([1], [1], [[0.1]], 256, {"prior": True})) is not None
 
 
+def test_a_pass_that_stalls_once_is_timed_again_and_the_profile_is_trusted(llama, profiles):
+    """A hiccup that outlasts a point's repeats (both passes of its first timing stall, as beside
+    a burst of other work) is timed again as soon as it is out of line: the profile is kept, and
+    the stopping rules never read the stalled time (the row and the larger batches are measured)."""
+    eng = engine(llama, speculate=False)
+    backend, launch = eng.backend, eng.backend.launch
+    stalled = {"passes": 0}
+
+    def stalls_at_one_point(rows, batch, active):
+        if rows.stop == 1 and batch.tokens.size == 9 and stalled["passes"] < 2:  # 1 row, 9 tokens
+            stalled["passes"] += 1
+            time.sleep(0.05)
+        return launch(rows, batch, active)
+
+    backend.launch = stalls_at_one_point
+    try:
+        prof = profile.measure(backend)
+    finally:
+        backend.launch = launch
+    assert stalled["passes"] == 2  # the point's first timing stalled
+    prof.meta = {"conditions": {"other_processes_cpu_share": 0.0}}
+    assert profile_problem(prof) is None, prof.seconds[0]
+    j = prof.tokens.index(9)
+    assert prof.seconds[0][j] < prof.seconds[0][j - 1] * 2 * 9 / 7 + 0.002
+
+
 def test_the_prior_speculates_at_batch_one_and_not_at_large_batches(llama, profiles):
     eng = engine(llama, speculate=False)
     prior = profile.prior(eng.backend)
