@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from sampling_checks import sequence_pvalue
 from tiny_models import perturbed_model, tiny_model
 
 import sssd
@@ -376,17 +376,8 @@ def test_sampled_sequences_follow_the_models_distribution(llama, near_llama):
     assert eng.async_drafter.hits > n // 10, "grown trees were used"
     assert sum(o.stats["accepted"] for o in outs) > n // 4
 
-    def pvalue(joint):
-        counts: dict = {}
-        for o in outs:
-            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-        keys = list(joint)
-        observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
-        expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
-        return float(stats.chisquare(observed, expected).pvalue)
-
-    assert pvalue(joint) > 1e-3
-    assert pvalue(three_token_probs(llama, prompt, temperature * 1.3)) < 1e-3  # the test has power
+    assert sequence_pvalue(outs, joint) > 1e-3
+    assert sequence_pvalue(outs, three_token_probs(llama, prompt, temperature * 1.3)) < 1e-3  # the test has power
 
 
 # -- the switch and bad drafters -------------------------------------------------------------------

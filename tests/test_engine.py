@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from sampling_checks import sequence_pvalue
 from tiny_models import WORDS, tiny_model
 
 import sssd
@@ -254,21 +254,10 @@ def test_sampled_sequences_follow_the_models_distribution(llama):
     )
     accepted = sum(o.stats["accepted"] for o in outs)
     assert accepted > n // 4, "many tokens should come from the tree"
-    counts = {}
-    for o in outs:
-        key = tuple(o.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    keys = list(joint)
-    observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
-
-    def expected(probs: dict) -> list[float]:
-        return [probs[k] * n for k in keys] + [(1 - sum(probs.values())) * n]
-
-    chi2, pvalue = stats.chisquare(observed, expected(joint))
-    assert pvalue > 1e-3, (chi2, pvalue)
+    pvalue = sequence_pvalue(outs, joint)
+    assert pvalue > 1e-3, pvalue
     # the test has power: a sampler whose temperature were off by a quarter would be caught
-    wrong = pair_probs(temperature * 1.25, pairs=keys)
-    assert stats.chisquare(observed, expected(wrong)).pvalue < 1e-3
+    assert sequence_pvalue(outs, pair_probs(temperature * 1.25, pairs=list(joint))) < 1e-3
 
 
 def test_llm_api_shape(llama):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from sampling_checks import sequence_pvalue
 from scipy import stats
 from tiny_models import perturbed_model, tiny_model
 
@@ -515,17 +516,6 @@ def two_token_probs(model, prompt, temperature, top1=6, top2=4):
     return out
 
 
-def chi_square_pvalue(outs, joint) -> float:
-    n = len(outs)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    keys = list(joint)
-    observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
-    expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
-    return float(stats.chisquare(observed, expected).pvalue)
-
-
 def test_sampled_sequences_with_a_model_source_follow_the_models_distribution(llama, near_llama):
     """A drafter close to the target but not equal, beside retrieval: 2-token continuations
     against the target's exact p(t1) p(t2 | t1)."""
@@ -545,8 +535,8 @@ def test_sampled_sequences_with_a_model_source_follow_the_models_distribution(ll
         [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
     )
     assert sum(o.stats["accepted"] for o in outs) > n // 3, "many tokens should come from the tree"
-    assert chi_square_pvalue(outs, joint) > 1e-3
-    assert chi_square_pvalue(outs, two_token_probs(llama, prompt, temperature * 1.25)) < 1e-3  # the test has power
+    assert sequence_pvalue(outs, joint) > 1e-3
+    assert sequence_pvalue(outs, two_token_probs(llama, prompt, temperature * 1.25)) < 1e-3  # the test has power
 
 
 @pytest.mark.parametrize("temperature, draft_temperature", [(0.7, 1.0), (1.0, 0.7)])
@@ -565,7 +555,7 @@ def test_smollm2_sampling_with_mss_follows_its_distribution(temperature, draft_t
         [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
     )
     assert sum(o.stats["accepted"] for o in outs) > n // 3
-    assert chi_square_pvalue(outs, joint) > 1e-3
+    assert sequence_pvalue(outs, joint) > 1e-3
 
 
 # -- bad drafters -------------------------------------------------------------------------------------

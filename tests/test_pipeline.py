@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from sssd.serving.backends.pipeline_backend import PipelineBackend, PipelineError, split_layers
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
 from sssd.sources import Candidates, DraftSource
+from tests.sampling_checks import sequence_pvalue
 from tests.tiny_models import tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 10, 11, 12, 10, 11], [3, 4, 5], [20, 21]]
@@ -202,17 +202,6 @@ class Likely(DraftSource):
         return out
 
 
-def _chi_square(outs, joint) -> float:
-    n = len(outs)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    keys = list(joint)
-    observed = [counts.get(k, 0) for k in keys] + [n - sum(counts.get(k, 0) for k in keys)]
-    expected = [joint[k] * n for k in keys] + [(1 - sum(joint.values())) * n]
-    return float(stats.chisquare(observed, expected).pvalue)
-
-
 def test_sampled_pipelined_trees_follow_the_models_distribution(llama, two_stages):
     temperature, prompt = 1.5, PROMPTS[1]
     joint = _two_token_probs(llama, prompt, temperature)
@@ -223,8 +212,8 @@ def test_sampled_pipelined_trees_follow_the_models_distribution(llama, two_stage
         [prompt] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
     )
     assert eng.metrics.num_accepted_tokens > n // 3, "many tokens come from the tree"
-    assert _chi_square(outs, joint) > 1e-3
-    assert _chi_square(outs, _two_token_probs(llama, prompt, temperature * 1.3)) < 1e-3  # the test has power
+    assert sequence_pvalue(outs, joint) > 1e-3
+    assert sequence_pvalue(outs, _two_token_probs(llama, prompt, temperature * 1.3)) < 1e-3  # the test has power
 
 
 def test_a_dead_stage_fails_the_step_naming_it_and_stops_the_others(llama, plain, three_stages):
