@@ -242,6 +242,12 @@ class DraftSource(abc.ABC):
     def close(self, request_id: int) -> None:
         """A request ended."""
 
+    def forget_history(self) -> None:
+        """Drops what earlier requests left behind for later ones (the recent outputs' store), as
+        if the source were new; requests still open may lose their state too. Nothing by default.
+        A benchmark that generates the same prompts again calls it between runs: otherwise the
+        second run drafts the first run's answers."""
+
     def observe_verified(self, request_ids: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> None:
         """After a decode step, every node the target verified (roots included), whether or not
         it was accepted: its request id [N], its token [N], and the target's `observe_topk`

@@ -140,6 +140,10 @@ class RecentOutputs(DraftSource):
         """The request's tokens stay in the store (for the others) until the ring overwrites them."""
         self._store.close(request_id)
 
+    def forget_history(self) -> None:
+        """Empties the store (its memory kept): every request's tokens and place are forgotten."""
+        self._store.clear()
+
     # -- drafting ---------------------------------------------------------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> list[Candidates | None]:
         """Every request's trie of continuations after its longest recent match, at once."""

@@ -141,6 +141,15 @@ class DraftPipeline:
             self._call(i, s.close, request_id)
             self._failed.discard((i, request_id))
 
+    def forget_history(self) -> None:
+        """Every source drops what earlier requests left for later ones (DraftSource.forget_history).
+        Between steps, with no request open: open ones may lose their state in a source."""
+        for s in self.external:
+            try:
+                s.forget_history()
+            except Exception as e:  # noqa: BLE001 - a source's failure costs its own drafts only
+                log.warning("draft source %r failed to forget its history (%s)", s.name, e)
+
     def discount_of(self, source: DraftSource) -> SourceDiscount:
         """The discount `source`'s candidates merge with: the one the calibration file fitted for its
         `calibration_key` (``sssd calibrate --draft``), else the source's own."""

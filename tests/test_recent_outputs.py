@@ -27,6 +27,10 @@ class Reference:
         self.max_matches, self.depth, self.min_depth, self.per_match = max_matches, depth, min_depth, per_match
         self.log: list[tuple[int, int, int]] = []
         self.last: dict[int, int] = {}
+        self.floor = 0  # writes before it were forgotten (clear)
+
+    def clear(self):
+        self.floor, self.last = len(self.log), {}
 
     def append(self, rid, tokens, fresh=False):
         if fresh:
@@ -36,7 +40,7 @@ class Reference:
             self.last[rid] = len(self.log) - 1
 
     def alive(self, a):
-        return 0 <= a and a >= len(self.log) - self.capacity
+        return self.floor <= a and a >= len(self.log) - self.capacity
 
     def draft(self, rid, context, budget):
         """{path of tokens: weight} of the trie over the longest matches' continuations."""
@@ -110,6 +114,38 @@ def test_drafts_equal_the_brute_force_store(seed, capacity):
             if c is not None:
                 c.check(12)
     assert len(src) == min(capacity, len(ref.log))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forgetting_the_history_empties_the_store(seed):
+    """forget_history at random steps, open requests included: the store drafts as a brute-force store
+    that forgot every earlier write (the ring wraps across the clears), and a cleared store drafts
+    nothing until it is written again."""
+    rng = np.random.default_rng(100 + seed)
+    phrases = [rng.integers(0, 10, int(rng.integers(3, 9))).tolist() for _ in range(3)]
+    src, ref = RecentOutputs(capacity=60, max_chain=10**6), Reference(60)
+    contexts: dict[int, list[int]] = {}
+    for step in range(60):
+        if rng.random() < 0.1:
+            src.forget_history()
+            ref.clear()
+            assert len(src) == 0 and all(src.history(r).size == 0 for r in contexts)
+            reqs = [DraftRequest(r, np.array(ctx), 32) for r, ctx in contexts.items()]
+            assert all(c is None for c in src.propose(reqs))
+        rid = int(rng.integers(0, 4))
+        if rid not in contexts:
+            contexts[rid] = rng.integers(0, 10, int(rng.integers(1, 10))).tolist()
+            src.open(rid, np.array(contexts[rid]))
+            ref.append(rid, contexts[rid][-8:], fresh=True)
+        new = phrases[int(rng.integers(0, 3))][: int(rng.integers(1, 6))]
+        src.extend(rid, np.array(new))
+        ref.append(rid, new)
+        contexts[rid] += new
+        requests = [DraftRequest(r, np.array(ctx), 40) for r, ctx in contexts.items()]
+        for req, c in zip(requests, src.propose(requests)):
+            want = ref.draft(req.request_id, list(req.tokens), req.budget)
+            assert (as_paths(c) if c is not None else {}) == pytest.approx(want), f"step {step}"
+    assert len(src) == min(60, len(ref.log) - ref.floor)
 
 
 def test_a_request_never_drafts_from_its_own_tokens():
@@ -342,3 +378,22 @@ def test_a_request_drafts_from_an_earlier_requests_output(llama):
     assert [o.token_ids for o in outs] == want
     by = [o.stats["accepted_by_source"].get("recent", 0) for o in outs]
     assert by[1] > 20 and by[1] > by[0]
+
+
+def test_an_engine_that_forgot_its_history_does_not_draft_an_earlier_runs_answer(llama):
+    """A benchmark's second run of the same prompt (the first unspeculated, on the same engine) is
+    drafted from the first one's answer, unless the engine forgets its history in between; it
+    refuses to while requests run."""
+    prompt, params = [5, 9, 23, 7, 3, 40], SamplingParams(max_tokens=30, ignore_eos=True)
+    eng = LLMEngine(
+        llama, datastore=None, draft=["recent"], config=EngineConfig(max_model_len=128, budget=8, max_running=1)
+    )
+    want = eng.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True, speculate=False))[0].token_ids
+    warm = eng.generate([prompt], params)[0]
+    assert warm.token_ids == want and warm.stats["accepted_by_source"].get("recent", 0) > 20
+    eng.forget_history()
+    cold = eng.generate([prompt], params)[0]
+    assert cold.token_ids == want and cold.stats["accepted_by_source"].get("recent", 0) == 0
+    eng.add_request(prompt, params)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.forget_history()

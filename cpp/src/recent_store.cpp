@@ -59,7 +59,7 @@ RecentStore::RecentStore(int64_t capacity, int64_t max_match, int64_t min_match,
 
 uint64_t RecentStore::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::min(written_, capacity_);
+  return std::min(written_ - floor_, capacity_);
 }
 
 uint64_t RecentStore::written() const {
@@ -82,6 +82,12 @@ void RecentStore::extend(uint64_t request_id, std::span<const token_t> tokens) {
 void RecentStore::close(uint64_t request_id) {
   std::lock_guard<std::mutex> lock(mu_);
   last_.erase(request_id);
+}
+
+void RecentStore::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  floor_ = written_;
+  last_.clear();
 }
 
 void RecentStore::append(uint64_t request_id, std::span<const token_t> tokens) {
@@ -148,7 +154,7 @@ RecentDrafts RecentStore::propose(std::span<const uint64_t> ids, std::span<const
   std::vector<uint64_t> cur(R, 0);
   std::vector<uint32_t> walking;
   for (size_t r = 0; r < R; ++r) {
-    if (written_ == 0 || query(r)[0] < 0 || query(r)[1] < 0 || budgets[r] <= 0) continue;
+    if (written_ == floor_ || query(r)[0] < 0 || query(r)[1] < 0 || budgets[r] <= 0) continue;
     cur[r] = hash(uint64_t(query(r)[1]), uint64_t(query(r)[0])) & (buckets_ - 1);  // the bucket, for now
     __builtin_prefetch(&head_[cur[r]]);
     walking.push_back(uint32_t(r));

@@ -364,6 +364,20 @@ class LLMEngine:
             log.warning("request %s: drafting disabled (%s)", req.id, e)
             req.draft = False
 
+    def forget_history(self) -> None:
+        """Makes the draft sources forget what earlier requests left for later ones (the recent
+        outputs), as a fresh engine's: a benchmark that generates the same prompts again calls it
+        between runs, or the second run drafts the first one's answers. What the engine measured
+        (profiles, acceptance rates) stays.
+
+        Raises:
+            RuntimeError: requests are running or waiting.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("forget_history() needs an idle engine: requests are running or waiting")
+        if self.drafting is not None:
+            self.drafting_call(self.drafting.forget_history)
+
     def drafting_call(self, fn, *args) -> None:
         """Calls a draft pipeline method now, or (async drafting) once the drafting thread lets go of it."""
         if self.async_drafter is not None:

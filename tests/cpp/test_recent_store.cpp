@@ -1,5 +1,5 @@
 // RecentStore: a hand-computed draft (damping, shares), a request never drafting from its own
-// tokens, the ring forgetting, bad arguments, concurrent writers, and the shape of drafts from
+// tokens, the ring forgetting, clear, bad arguments, concurrent writers, and the shape of drafts from
 // random interleaved writes with a wrapping ring (tests/test_recent_outputs.py compares the
 // drafts themselves with the numpy implementation).
 #include <gtest/gtest.h>
@@ -72,6 +72,24 @@ TEST(RecentStore, NeverDraftsFromTheRequestsOwnTokens) {
   EXPECT_EQ(d.tokens[0], 3);
   EXPECT_EQ(propose_one(s, 2, {7, 1, 2}, 0).tokens.size(), 0u);  // budget 0
   EXPECT_EQ(propose_one(s, 2, {7, 1, 2}, 1).tokens.size(), 1u);  // one token per path
+}
+
+TEST(RecentStore, ClearForgetsEverythingWrittenBefore) {
+  RecentStore s(100, 8, 2, 16, 64, 64, 8.0, 0.8);
+  s.extend(1, std::vector<token_t>{1, 2, 3, 4});
+  ASSERT_FALSE(propose_one(s, 2, {1, 2}, 8).tokens.empty());
+  s.clear();
+  EXPECT_EQ(s.size(), 0u);
+  EXPECT_EQ(s.written(), 4u);
+  EXPECT_TRUE(propose_one(s, 2, {1, 2}, 8).tokens.empty());
+  EXPECT_TRUE(s.history(1).empty());
+  s.extend(1, std::vector<token_t>{5});  // request 1 starts afresh: 4 -> 5 is not a pair
+  s.extend(1, std::vector<token_t>{1, 2, 6});
+  const auto d = propose_one(s, 2, {1, 2}, 8);
+  ASSERT_EQ(d.tokens.size(), 1u);
+  EXPECT_EQ(d.tokens[0], 6);
+  EXPECT_EQ(s.history(1), (std::vector<token_t>{5, 1, 2, 6}));
+  EXPECT_EQ(s.size(), 4u);
 }
 
 TEST(RecentStore, TheRingForgetsTheOldest) {

@@ -14,7 +14,8 @@
 // the ring) is indexed under the hash of those two tokens, in hash chains as
 // in zlib: `head` holds the newest position of each bucket, a position's
 // `chain` the one before it in its bucket. A link is alive while the ring
-// still holds its position (link > written - capacity); chains only go back
+// still holds its position (link > written - capacity) and it was written
+// after the last clear (link > floor); chains only go back
 // in time, so a walk stops at the first dead link. Forward links never
 // outlive their targets (a position's `next` is reset when its slot is
 // written again), so following them needs no age check. One quirk is kept
@@ -92,6 +93,9 @@ class RecentStore {
   void extend(uint64_t request_id, std::span<const token_t> tokens);
   /// Forgets the request's place; its tokens stay (for the others) until the ring overwrites them.
   void close(uint64_t request_id);
+  /// Forgets every token written so far and every request's place (a fresh store, its memory
+  /// kept): what a benchmark replaying the same prompts calls between runs.
+  void clear();
 
   /// Drafts for R requests: ids [R]; queries [R * max_match], row r the last tokens of request r's
   /// context, newest first, -1 past its start; budgets [R] (>= 0): the most tokens a path holds.
@@ -101,7 +105,7 @@ class RecentStore {
   /// The request's tokens still held, oldest first (its links walked back from its last token).
   std::vector<token_t> history(uint64_t request_id) const;
 
-  /// Tokens held; tokens ever written.
+  /// Tokens held (since the last clear); tokens ever written.
   uint64_t size() const;
   uint64_t written() const;
   uint64_t capacity() const { return capacity_; }
@@ -128,7 +132,7 @@ class RecentStore {
     void operator()(void* p) const { std::free(p); }
   };
 
-  bool alive(uint64_t link) const { return link > 0 && link + capacity_ > written_; }
+  bool alive(uint64_t link) const { return link > floor_ && link + capacity_ > written_; }
   Slot& at(uint64_t link) { return slots_[(link - 1) % capacity_]; }
   const Slot& at(uint64_t link) const { return slots_[(link - 1) % capacity_]; }
   /// Asks for the slot of a link (both of its cache lines) ahead of its use.
@@ -149,6 +153,7 @@ class RecentStore {
   std::unique_ptr<Slot[], Free> slots_;
   std::unique_ptr<uint64_t[], Free> head_;
   uint64_t written_ = 0;
+  uint64_t floor_ = 0;  ///< links at or below it are dead (clear)
   std::unordered_map<uint64_t, uint64_t> last_;  // request id -> its last position + 1
   mutable std::mutex mu_;
 };
