@@ -11,7 +11,9 @@ finishes) run, in interleaved rounds, as:
     X-fixed-threads   X (plain, batch or per-size) with the thread count fixed instead of following
                other processes' load (SSSD_FOLLOW_LOAD=0): what the load-following policy costs
 
-Greedy, float32; every SSSD output is checked token-identical to plain. Reported per batch size and
+Each run starts from a forgotten history (LLMEngine.forget_history): the recent outputs would
+otherwise draft a round's answers from the earlier rounds' answers to the same prompts. Greedy,
+float32; every SSSD output is checked token-identical to plain. Reported per batch size and
 configuration: tokens/s, its ratio to plain within the same round, tokens per step (per row), draft
 nodes verified per step (the budget actually spent, over the batch), and for `batch` the
 allocation's own predicted tokens/s beside the measured one. A plot of speedup against batch size
@@ -178,6 +180,7 @@ def main() -> int:
                 else:
                     eng = engines[c]
                 eng.scheduler.max_running = B  # the slots stay allocated for the largest batch
+                eng.forget_history()  # the recent outputs hold earlier rounds' answers to these prompts
                 res[c] = run(eng, prompts, args.max_tokens, speculate=c.removesuffix(FIXED) != "plain")
             base = res.get("plain")
             for c in args.configs:

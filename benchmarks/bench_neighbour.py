@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, git_sha, machine  # noqa: E402
+from common import OUT_DIR, disjoint_prompts, git_sha, machine  # noqa: E402
 
 FIG_DIR = Path(__file__).resolve().parent / "figures"
 MODES = ("quiet", "spin", "memory")
@@ -91,7 +91,7 @@ imported = time.perf_counter()
 kw = {"threads": cfg["threads"]} if cfg["threads"] else {}
 llm = sssd.LLM(speculate=cfg["speculate"], **kw)
 built = time.perf_counter()
-first = llm.generate([cfg["prompts"][0]], SamplingParams(max_tokens=32, temperature=0))
+first = llm.generate([cfg["first"]], SamplingParams(max_tokens=32, temperature=0))
 first_s = time.perf_counter() - built
 texts, tokens = [], 0
 t1 = time.perf_counter()
@@ -415,7 +415,10 @@ def first_request(url: str, model: str, messages) -> tuple[float, str]:
 
 
 def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
-    """One fresh server with an empty profile cache: start-up, first request, the load phases."""
+    """One fresh server with an empty profile cache: start-up, first request, the load phases.
+
+    prompts: {"first": [the first request's prompt], "1": level 1's prompts, ...}, disjoint
+    (common.disjoint_prompts)."""
     import httpx
 
     profiles = profile_dir(args, engine)
@@ -445,7 +448,7 @@ def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
             row["startup_s"] = round(time.perf_counter() - t0, 3)
             row["health_at_start"] = r.json()
             served = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            row["first_request_s"], _ = first_request(url, served, prompts[0])
+            row["first_request_s"], _ = first_request(url, served, prompts["first"][0])
             row["first_request_s"] = round(row["first_request_s"], 3)
             row["health_after_first"] = get_json(url + "/health")
             print(
@@ -463,7 +466,7 @@ def run_server(args, mode: str, engine: str, prompts, log_dir: Path) -> dict:
                 row["health_after_settle"] = health
                 print(f"  {mode:6} {engine:5} settled: {row['settle_s']} s, /health {json.dumps(health)}", flush=True)
             for c in args.concurrency:
-                lv = asyncio.run(load_phase(url, served, prompts, c, args.max_tokens))
+                lv = asyncio.run(load_phase(url, served, prompts[str(c)], c, args.max_tokens))
                 row["levels"][str(c)] = lv
                 print(
                     f"  {mode:6} {engine:5} c={c}: {lv['tokens_per_s']} tok/s, ITL p50 {lv['itl_p50_ms']} "
@@ -509,7 +512,13 @@ def run_llm(args, mode: str, engine: str, prompts) -> dict:
     profiles = profile_dir(args, engine)
     env = dict(os.environ, SSSD_PROFILE_DIR=str(profiles))
     env.pop("SSSD_MEASURE", None)
-    cfg = {"speculate": engine == "sssd", "prompts": prompts, "max_tokens": args.max_tokens, "threads": args.threads}
+    cfg = {
+        "speculate": engine == "sssd",
+        "first": prompts["first"][0],  # not among the timed prompts (the recent outputs would draft it)
+        "prompts": prompts[str(args.concurrency[0])],
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+    }
     row: dict = {"mode": mode, "engine": engine}
     proc = None
     try:
@@ -638,7 +647,9 @@ def main() -> int:
     from sssd.calibration import datasets
 
     questions = [r.messages for r in datasets.split(datasets.mtbench(), "eval")]
-    prompts = [questions[i % len(questions)] for i in range(args.prompts)]
+    # the first request's prompt and each load phase's are disjoint: a server keeps its recent outputs
+    phases = ["first", *map(str, args.concurrency)]
+    prompts = dict(zip(phases, disjoint_prompts(questions, [1] + [args.prompts] * len(args.concurrency))))
     header = {
         "benchmark": "bench_neighbour",
         "git": git_sha(),

@@ -3,7 +3,9 @@
 Starts two servers on loopback (the same model, one with SSSD speculation,
 one with --no-speculate), then for each concurrency level sends the same
 streaming chat requests (MT-Bench evaluation-split questions, greedy) to
-each in turn, in one run. Reported per server and level: output tokens/s
+each in turn, in one run. Each level gets prompts of its own (while the
+set lasts): a server keeps its recent outputs, which would draft a
+repeated prompt from its earlier answer. Reported per server and level: output tokens/s
 over the level's wall time, mean time per output token (a request's time
 from first to last token / (tokens - 1)), mean time to first token, failed
 requests, and whether the speculative server's texts equal the plain one's.
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Recorder, machine  # noqa: E402
+from common import Recorder, disjoint_prompts, machine  # noqa: E402
 
 
 def free_port() -> int:
@@ -136,11 +138,13 @@ async def run_level(url: str, prompts, concurrency: int, max_tokens: int, served
 
 
 def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
-    """The prompts one after another through the engine itself, configured as `sssd serve` is."""
+    """The prompts one after another through the engine itself, configured as `sssd serve` is; the
+    first one warms it up and is not timed."""
     import gc
 
     from sssd.paths import packaged_calibration
     from sssd.serving.engine import EngineConfig, LLMEngine
+    from sssd.serving.engine.config import DEFAULT_DRAFT
     from sssd.serving.engine.params import SamplingParams
 
     config = EngineConfig(
@@ -154,9 +158,10 @@ def engine_alone(args, prompts, speculate: bool, tokenizer) -> dict:
         datastore="default" if speculate else None,
         drafter=packaged_calibration(args.model, "default"),
         config=config,
-        draft=["retrieval"] if speculate else [],
+        draft=list(DEFAULT_DRAFT) if speculate else [],
     )
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up, as the servers get
+    prompts = prompts[1:]
     t0 = time.perf_counter()
     texts = [engine.generate([m], SamplingParams(max_tokens=args.max_tokens, temperature=0))[0].text for m in prompts]
     wall = time.perf_counter() - t0
@@ -202,11 +207,12 @@ def main() -> int:
     questions = [r.messages for r in datasets.split(datasets.mtbench(), "eval")]
     rec = Recorder("serve", vars(args))
     alone = {}
+    sizes = [args.requests or max(8, 2 * c) for c in args.concurrency]
+    warmup, *per_level = disjoint_prompts(questions, [1, *sizes])
+    level_prompts = dict(zip(args.concurrency, per_level))
     if args.engine_alone and 1 in args.concurrency:
-        n = args.requests or 8
-        prompts = [questions[i % len(questions)] for i in range(n)]
         for name, speculate in (("sssd", True), ("plain", False)):
-            alone[name] = engine_alone(args, prompts, speculate, tokenizer)
+            alone[name] = engine_alone(args, warmup + level_prompts[1], speculate, tokenizer)
             print(
                 f"engine alone, {name}: {alone[name]['tokens_per_s']} tok/s budgets {alone[name]['budgets']}",
                 flush=True,
@@ -217,9 +223,8 @@ def main() -> int:
             print(f"starting the {name} server ...", flush=True)
             servers[name] = start_server(args, speculate)
         for c in args.concurrency:
-            n = args.requests or max(8, 2 * c)
-            prompts = [questions[i % len(questions)] for i in range(n)]
-            row = {"concurrency": c, "requests": n}
+            prompts = level_prompts[c]
+            row = {"concurrency": c, "requests": len(prompts)}
             for name, (_, url, served) in servers.items():
                 res = asyncio.run(run_level(url, prompts, c, args.max_tokens, served))
                 tokens = count_tokens(tokenizer, res["texts"])
@@ -251,7 +256,7 @@ def main() -> int:
             rec.add(**row)
             s, p = row["sssd"], row["plain"]
             print(
-                f"concurrency {c:3d} ({n} requests): SSSD {s['tokens_per_s']:7.2f} tok/s TPOT {s['tpot_ms']} ms "
+                f"concurrency {c:3d} ({len(prompts)} requests): SSSD {s['tokens_per_s']:7.2f} tok/s TPOT {s['tpot_ms']} ms "
                 f"TTFT {s['mean_ttft_s']} s | plain {p['tokens_per_s']:7.2f} tok/s TPOT {p['tpot_ms']} ms "
                 f"TTFT {p['mean_ttft_s']} s | {row['speedup']:.2f}x, failed {s['failed']}+{p['failed']}, "
                 f"identical={row['identical']}",

@@ -91,3 +91,21 @@ def stream_contexts(tokens, count: int, length: int, seed: int) -> list:
         if len(t) >= length:
             out.append(np.ascontiguousarray(t[:length], dtype=np.uint32))
     return out
+
+
+def disjoint_prompts(pool: list, sizes: list[int]) -> list[list]:
+    """Consecutive slices of `pool`, one per size: no prompt is sent twice to one engine or server
+    while the pool lasts. The default draft sources keep the recent outputs of earlier requests, so
+    a repeated prompt would be drafted from its own earlier answer. Past the pool's end the slices
+    wrap around, with a warning."""
+    if sum(sizes) > len(pool):
+        print(
+            f"WARNING: {sum(sizes)} prompts asked of a set of {len(pool)}: some repeat, and the recent outputs "
+            "draft a repeated prompt from its earlier answer",
+            flush=True,
+        )
+    out, at = [], 0
+    for n in sizes:
+        out.append([pool[(at + i) % len(pool)] for i in range(n)])
+        at += n
+    return out

@@ -86,3 +86,13 @@ def test_summary_survives_a_failed_cell(bn):
     s = bn.summarize([_row("quiet", "plain", 40.0), _row("quiet", "sssd", 0, error="died")], [], [1])
     assert "quiet/sssd" not in s["server"]
     assert "sssd.LLM" not in bn.markdown(s, [1], {"machine": {}, "date": "d", "git": "g"})
+
+
+def test_each_phase_gets_prompts_of_its_own_while_the_set_lasts(bn, capsys):
+    """The benchmarks' phases never resend a prompt to one server while the set lasts (its recent
+    outputs would draft the earlier answer); past the set's end they wrap, and say so."""
+    first, a, b = bn.disjoint_prompts(list(range(10)), [1, 4, 5])
+    assert (first, a, b) == ([0], [1, 2, 3, 4], [5, 6, 7, 8, 9])
+    assert "WARNING" not in capsys.readouterr().out
+    _, c = bn.disjoint_prompts(list(range(3)), [2, 2])
+    assert c == [2, 0] and "some repeat" in capsys.readouterr().out
