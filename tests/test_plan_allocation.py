@@ -40,6 +40,25 @@ def test_a_projection_spends_where_drafts_are_accepted_and_nothing_where_none_ar
         project(ReplaySteps(), cheap, [1])
 
 
+def test_the_projection_corrects_the_selected_nodes_worth_as_the_engine_does():
+    """Trees whose high scores fail and whose low ones hold: fitted over whole trees the scores are
+    right on average, but a selection takes the high ones, which emit less than they promise (the
+    winner's curse). The projection settles at the engine's correction for it; trees scored right
+    at every level need none."""
+    cheap = linear_profile(0.05, 0.001)
+    mixed = chain_steps(40, False)
+    low = chain_steps(40, True)
+    for s in low.scores:
+        s[:] = np.linspace(0.4, 0.2, s.size)
+    mixed.scores += low.scores
+    mixed.parents += low.parents
+    mixed.accepted += low.accepted
+    for cursed in project(mixed, cheap, [1, 4], draws=50):
+        assert 0.5 <= cursed["worth_correction"] < 0.85 and cursed["speedup"] > 2
+    (fair,) = project(chain_steps(50, True), cheap, [16], draws=50)
+    assert fair["worth_correction"] == pytest.approx(1.0, abs=0.25)
+
+
 def test_replayed_steps_know_what_each_prefix_of_a_tree_would_accept():
     rng = np.random.default_rng(0)
     phrase = rng.integers(100, 900, 40).tolist()

@@ -553,6 +553,10 @@ def _on_path(parents: np.ndarray, deepest: int, accepted: np.ndarray) -> np.ndar
     return on
 
 
+#: Rounds of the projection's (damped) fixed point for the worth correction.
+PROJECT_RATIO_ROUNDS = 8
+
+
 def project(
     steps,
     profile,
@@ -562,8 +566,10 @@ def project(
     gamma: float | None = None,
 ) -> list[dict]:
     """Per batch size: the allocation's mean draft nodes per row, tokens per row and step, and
-    speedup over plain decoding under `profile` (tokens per second over plain's); beside it, the
-    best single budget for every row on the same steps (the per-size planner's choice)."""
+    speedup over plain decoding under `profile` (tokens per second over plain's), with the worth
+    correction the engine would settle at (`worth_correction`: the selected nodes' emitted tokens
+    over their expected ones); beside it, the best single budget for every row on the same steps
+    (the per-size planner's choice)."""
     if not len(steps):
         raise ValueError("no replayed steps to project from (empty or one-token outputs)")
     g = fitted_gamma(steps) if gamma is None else float(gamma)
@@ -581,15 +587,28 @@ def project(
         def cost(ks, B=B):
             return profile.times(B, (B + np.asarray(ks, dtype=np.float64)) / B)
 
-        tokens = seconds = nodes = 0.0
         n_draws = max(draws, 4096 // B)  # about as many rows at every batch size (accepted lengths are heavy-tailed)
-        for _ in range(n_draws):
-            idx = rng.integers(len(steps), size=B)
-            values = [worth(steps.scores[i], g) for i in idx]
-            counts, k = select(values, cost, B)
-            tokens += B + sum(int(steps.accepted[i][c]) for i, c in zip(idx, counts))
-            seconds += float(cost(np.array([k]))[0])
-            nodes += k
+        batches_of = [rng.integers(len(steps), size=B) for _ in range(n_draws)]
+        # The engine's winner's-curse correction (BatchAllocator's worth ratio): the selected nodes'
+        # worth is scaled by what such selections emitted over what they expected, a fixed point
+        # found on these same draws.
+        ratio = 1.0
+        for round_ in range(PROJECT_RATIO_ROUNDS):
+            tokens = seconds = nodes = expected = 0.0
+            for idx in batches_of:
+                values = [worth(steps.scores[i], g) for i in idx]
+                counts, k = select([ratio * v for v in values], cost, B)
+                emitted = sum(int(steps.accepted[i][c]) for i, c in zip(idx, counts))
+                tokens += B + emitted
+                seconds += float(cost(np.array([k]))[0])
+                nodes += k
+                expected += sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts))
+            if not expected:
+                break  # nothing selected: the engine learns nothing new either, and keeps its ratio
+            new = float(np.clip((tokens - B * n_draws) / expected, *BatchAllocator.RATIO_RANGE))
+            if abs(new - ratio) < 0.01 or round_ == PROJECT_RATIO_ROUNDS - 1:
+                break  # (the figures above are this ratio's)
+            ratio = float(np.sqrt(ratio * new))  # damped, as the engine's decayed sums are
         rate = tokens / seconds
         rows.append(
             {
@@ -598,6 +617,7 @@ def project(
                 "tokens_per_row_step": round(tokens / (n_draws * B), 3),
                 "speedup": round(rate / (B / plain), 3),
                 "gamma": round(g, 3),
+                "worth_correction": round(ratio, 3),
                 "per_size_budget": b_best,
                 "per_size_speedup": round(float(uniform[b_best]), 3),
             }

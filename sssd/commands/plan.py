@@ -126,10 +126,13 @@ def setup(p: argparse.ArgumentParser):
                 )
             )
         if alloc:
+            corrections = ", ".join(f"{r['batch']}: {r['worth_correction']}" for r in alloc["projection"])
             print(
                 f"alloc: one budget per step shared across the batch by expected acceptance, replayed from "
                 f"{alloc['replayed_from']['steps']} drafted steps of {', '.join(alloc['replayed_from']['files'])} "
-                f"(gamma {alloc['projection'][0]['gamma']}); 'same steps, 1 budget': the best single budget on those steps; "
+                f"(gamma {alloc['projection'][0]['gamma']}; the selected nodes' worth corrected as the engine does, "
+                f"by batch: {corrections}); "
+                "'same steps, 1 budget': the best single budget on those steps; "
                 "budget/MAT/speedup: one budget per batch size from the calibration's MAT"
             )
         print(
