@@ -10,6 +10,8 @@ finishes) run, in interleaved rounds, as:
     per-size   SSSD, one budget per batch size for every request (the planner before the allocation)
     X-fixed-threads   X (plain, batch or per-size) with the thread count fixed instead of following
                other processes' load (SSSD_FOLLOW_LOAD=0): what the load-following policy costs
+    X@SOURCES  X drafting with these sources (comma-separated, as `sssd serve --draft`) instead of
+               the default ones: `batch@retrieval` is the allocation without the recent outputs
 
 Each run starts from a forgotten history (LLMEngine.forget_history): the recent outputs would
 otherwise draft a round's answers from the earlier rounds' answers to the same prompts. Greedy,
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, Recorder, machine  # noqa: E402
 
 from sssd.serving.engine import EngineConfig, LLMEngine  # noqa: E402
+from sssd.serving.engine.config import DEFAULT_DRAFT  # noqa: E402
 from sssd.serving.engine.params import SamplingParams  # noqa: E402
 
 MIXED = ["mtbench", "gsm8k", "humaneval", "code-edits", "agent-traces", "quoting"]
@@ -126,12 +129,13 @@ def main() -> int:
     max_b = max(args.batch_sizes)
     engines = {}
     for c in args.configs:
-        base = c.removesuffix(FIXED)
+        base, _, draft = c.removesuffix(FIXED).partition("@")
         if base == "plain":
             continue
         engines[c] = LLMEngine(
             args.model,
             datastore=args.datastore,
+            draft=draft.split(",") if draft else DEFAULT_DRAFT,
             config=EngineConfig(
                 max_running=max_b, max_model_len=args.max_model_len, allocation=base, threads=args.threads
             ),
