@@ -397,3 +397,14 @@ def test_an_engine_that_forgot_its_history_does_not_draft_an_earlier_runs_answer
     eng.add_request(prompt, params)
     with pytest.raises(RuntimeError, match="idle engine"):
         eng.forget_history()
+
+
+def test_the_library_llm_forgets_its_history_too(llama):
+    llm = sssd.LLM(llama, datastore=None, draft=["recent"], budget=8, max_model_len=128)
+    prompt, params = [5, 9, 23, 7, 3, 40], SamplingParams(max_tokens=24, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    assert llm.generate([prompt], params)[0].stats["accepted_by_source"].get("recent", 0) > 10
+    llm.forget_history()
+    again = llm.generate([prompt], params)[0]
+    assert again.token_ids == first.token_ids and again.stats["accepted_by_source"].get("recent", 0) == 0
+    llm.close()

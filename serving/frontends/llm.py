@@ -128,6 +128,18 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def forget_history(self) -> None:
+        """The draft sources forget what earlier requests left for later ones (the recent outputs):
+        call it between two runs of the same prompts, or the second is drafted from the first's
+        answers (LLMEngine.forget_history)."""
+        self._wanted.set()
+        try:
+            with self._lock:
+                self._wanted.clear()
+                self.engine.forget_history()
+        finally:
+            self._wanted.clear()
+
 
 def _fit_threads(engine: dict) -> dict:
     """EngineConfig's keywords with ``threads`` fitted to the cores this process may use: checked
