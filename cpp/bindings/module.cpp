@@ -380,7 +380,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         s.close(id);
       }, "request_id"_a, "Forgets the request's place; its tokens stay until the ring overwrites them.")
       .def("clear", [](sssd::RecentStore& s) {
-        py::gil_scoped_release nogil;
+        py::gil_scoped_release release;
         s.clear();
       }, "Forgets every token written so far and every request's place (a fresh store).")
       .def("propose", [](const sssd::RecentStore& s, const py::array& ids, const py::sequence& contexts,

@@ -15,6 +15,7 @@ import atexit
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -105,14 +106,20 @@ class LLM:
             prompts = [prompts]  # one prompt: a text, token ids or one conversation
         return self._run(list(prompts), sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+    @contextmanager
+    def _engine_turn(self):
+        """Holds the engine against the measuring thread (which lets go after its current piece)."""
         self._wanted.set()
         try:
             with self._lock:
                 self._wanted.clear()
-                return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+                yield
         finally:
             self._wanted.clear()
+
+    def _run(self, prompts: list, sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+        with self._engine_turn():
+            return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat(
         self,
@@ -132,13 +139,8 @@ class LLM:
         """The draft sources forget what earlier requests left for later ones (the recent outputs):
         call it between two runs of the same prompts, or the second is drafted from the first's
         answers (LLMEngine.forget_history)."""
-        self._wanted.set()
-        try:
-            with self._lock:
-                self._wanted.clear()
-                self.engine.forget_history()
-        finally:
-            self._wanted.clear()
+        with self._engine_turn():
+            self.engine.forget_history()
 
 
 def _fit_threads(engine: dict) -> dict:

@@ -577,6 +577,10 @@ def project(
     longest = max(len(a) for a in steps.accepted)
     # the same steps under one budget b for every row: mean accepted tokens at each b
     per_budget = np.mean([np.concatenate([a, np.full(longest - len(a), a[-1])]) for a in steps.accepted], axis=0)
+    # every replayed tree's worth, and the sums of its prefixes as the selection takes them
+    # (non-increasing): what a selection of c nodes of it expects
+    values_of = [worth(s, g) for s in steps.scores]
+    expects_of = [np.concatenate([[0.0], np.cumsum(np.minimum.accumulate(v))]) for v in values_of]
     rows = []
     for B in batches:
         plain = float(profile.times(B, np.array([1.0]))[0])
@@ -596,13 +600,12 @@ def project(
         for round_ in range(PROJECT_RATIO_ROUNDS):
             tokens = seconds = nodes = expected = 0.0
             for idx in batches_of:
-                values = [worth(steps.scores[i], g) for i in idx]
-                counts, k = select([ratio * v for v in values], cost, B)
+                counts, k = select([ratio * values_of[i] for i in idx], cost, B)
                 emitted = sum(int(steps.accepted[i][c]) for i, c in zip(idx, counts))
                 tokens += B + emitted
                 seconds += float(cost(np.array([k]))[0])
                 nodes += k
-                expected += sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts))
+                expected += sum(float(expects_of[i][c]) for i, c in zip(idx, counts))
             if not expected:
                 break  # nothing selected: the engine learns nothing new either, and keeps its ratio
             new = float(np.clip((tokens - B * n_draws) / expected, *BatchAllocator.RATIO_RANGE))
