@@ -52,6 +52,7 @@ class StepPlan:
     allocation: Any = None  # the batch-wide allocation (planning.allocation.Allocation), if it decided
     scores: list | None = None  # [B] the verified nodes' scores per row (what the allocation learns from)
     cap: int = 0  # how deep every row was drafted before the allocation cut its tree
+    cached: int = 0  # the rows' cached positions, summed (what the forward pass reads beside its tokens)
 
 
 @dataclass
@@ -112,14 +113,10 @@ class DecodeStep:
             for b, t in zip(sampled.tolist(), mss_trials(drafts, proposals, sampled, use)):
                 trials[b] = t
         t_draft = time.perf_counter() - t0
-        batch = pack(
-            np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B),
-            np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B),
-            drafts,
-            use,
-        )
+        cached = np.fromiter((r.cached for r in reqs), dtype=np.int64, count=B)
+        batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B), cached, drafts, use)
         plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
-        plan.allocation, plan.scores, plan.cap = allocation, scores, cap
+        plan.allocation, plan.scores, plan.cap, plan.cached = allocation, scores, cap, int(cached.sum())
         plan.times["prepared"] = time.perf_counter()
         return plan
 
@@ -134,7 +131,9 @@ class DecodeStep:
         limit = np.minimum(np.minimum(budgets, max(room, 0)), np.diff(off))
         empty = np.zeros(0, dtype=np.float32)
         cands = [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
-        allocation = self.engine.allocator.allocate([r.id for r in reqs], greedy, cands)
+        allocation = self.engine.allocator.allocate(
+            [r.id for r in reqs], greedy, cands, cached=int(sum(r.cached for r in reqs))
+        )
         counts = np.where(use, allocation.counts, 0).astype(np.int32)
         if not counts.any() and allocation.candidates:
             key = self.engine.allocator.bucket(B)
@@ -453,9 +452,10 @@ class DecodeStep:
                 n_emitted,
                 a.tokens_per_second,
                 expected=(a.expected_tokens, a.seconds),
+                cached=plan.cached,
             )
         elif eng.allocator is not None:
-            eng.allocator.observe_plain(B, seconds)
+            eng.allocator.observe_plain(B, seconds, t_forward, plan.cached)
         else:
             eng.planner.observe(B, plan.budget, seconds, n_emitted)
         if eng.drafting is not None and plan.budget:  # what the deferral of costly sources measures

@@ -20,8 +20,9 @@ and stops taking budget; one that copies its prompt gets gamma < 1 and takes mor
 The step's expected tokens are B (one bonus token per row) plus the sum of the selected nodes'
 worth; its cost is the backend's forward time for B rows carrying N = B + k tokens in all (ragged
 passes cost their tokens, not rows x the largest tree), as the engine measures it: the profile
-scaled by the measured ratio at first, then a line fitted to the batch size's own speculative
-steps, plus the step's time beyond the forward. The selected worth is scaled by what such steps
+scaled by the measured ratio at first, then a fit to the batch size's own steps (ForwardFit: the
+tokens, the rows' cached context, whether any draft is verified, and the machine's recent pace),
+plus the step's time beyond the forward. The selected worth is scaled by what such steps
 emitted against what they expected (the top-scored nodes' scores run high). The selection is the k
 with the most expected tokens per second over all k (the top-k nodes by worth, batch-wide):
 
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from sssd.serving.planning.forward_fit import ForwardFit
 
 #: Score bins (log-spaced) in which verified nodes are counted.
 EDGES = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 16)[:-1], [1.0 + 1e-6]])
@@ -169,6 +172,7 @@ class Allocation:
     expected_tokens: float  # B + the selected nodes' worth
     seconds: float  # predicted step seconds
     candidates: int  # nodes drafted over the batch
+    cached: int = 0  # the rows' cached positions, summed (what the forward's cost was predicted for)
 
     @property
     def tokens_per_second(self) -> float:
@@ -224,13 +228,13 @@ class BatchAllocator:
     #: means), only every PROBE_EVERY-th step drafts (to notice when it pays again); the others are
     #: plain. The allocation's prediction shapes each step; this measurement decides whether to draft.
     PROBE_EVERY = 8
-    #: A batch bucket's speculative forward cost comes from its measured speculative steps, a line
-    #: in the tokens verified (MeasuredStepCost), once it has FIT_STEPS of them; until then from the
-    #: profile, scaled by the measured ratio. The profile is taken over chains at a short context;
-    #: at long contexts one more token costs more than it says (Qwen2.5-Coder-1.5B at batch 1 with
-    #: ~1,500 cached positions: 1.8x the profile), and a ratio fixes the level but not that slope.
-    #: Plain steps are not in the line: a step with drafts pays for its tree (mask, ragged
-    #: attention) beyond its tokens, and the plain step's cost is measured on its own.
+    #: A batch bucket's forward cost comes from its measured steps (ForwardFit: tokens verified,
+    #: cached context, drafts or none, recent pace) once it has FIT_STEPS of them; until then from
+    #: the profile, scaled by the measured ratio. The profile is taken over chains at a short
+    #: context; at long contexts one more token costs more than it says (Qwen2.5-Coder-1.5B at
+    #: batch 1 with ~1,500 cached positions: 1.8x the profile), and a ratio fixes the level but not
+    #: that slope. Plain steps are in the fit as passes without drafts: a step with drafts pays for
+    #: its tree (mask, ragged attention) beyond its tokens, and the fit's drafts term says how much.
     FIT_STEPS = 8
     #: The nodes a step selects are the batch's highest-scored, so their scores run high (the
     #: winner's curse): their expected tokens came out 11-24% above the tokens emitted (SmolLM2,
@@ -259,7 +263,7 @@ class BatchAllocator:
         self._gain: dict[int, float] = {}  # batch bucket -> best predicted rate over plain's (mean)
         self._turn: dict[int, int] = {}
         self._plain_rows: dict[int, float] = {}  # the rows of the measured plain steps (mean)
-        self._fits: dict[int, MeasuredStepCost] = {}  # batch bucket -> forward seconds by tokens verified
+        self._fits: dict[int, ForwardFit] = {}  # batch bucket -> its measured forward seconds
         #: batch bucket -> [expected tokens, emitted tokens, predicted seconds, measured seconds] per
         #: speculative step (exponential means)
         self._parts: dict[int, list[float]] = {}
@@ -280,24 +284,27 @@ class BatchAllocator:
     def bucket(batch: int) -> int:
         return 1 << max(0, int(batch) - 1).bit_length()
 
-    def forward_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
-        """Predicted forward seconds of B rows verifying `drafted` draft nodes in all: the bucket's
-        measured line once it has enough steps (FIT_STEPS), else the profile scaled."""
+    def fitted(self, batch: int) -> bool:
+        """Whether the bucket's forward cost comes from its measured steps (else the profile)."""
+        fit = self._fits.get(self.bucket(batch))
+        return fit is not None and fit.steps >= self.FIT_STEPS
+
+    def forward_seconds(self, batch: int, drafted: np.ndarray, cached: int | None = None) -> np.ndarray:
+        """Predicted forward seconds of B rows verifying `drafted` draft nodes in all, over `cached`
+        positions in their KV slots (None: as the bucket's recent steps): the bucket's measured fit
+        once it has enough steps (FIT_STEPS), else the profile scaled."""
         drafted = np.asarray(drafted, dtype=np.float64)
-        key = self.bucket(batch)
-        fit = self._fits.get(key)
-        if fit is not None and fit.steps >= self.FIT_STEPS:
-            return fit(batch + drafted)
+        if self.fitted(batch):
+            return self._fits[self.bucket(batch)](batch + drafted, cached, drafted)
         per_row = (batch + drafted) / batch
         return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
 
-    def _fit(self, batch: int) -> MeasuredStepCost:
-        """The bucket's measured cost line, its prior slope the profile's at this batch size."""
+    def _fit(self, batch: int) -> ForwardFit:
+        """The bucket's measured forward fit, its prior slope the profile's at this batch size."""
         key = self.bucket(batch)
         if key not in self._fits:
             one, two = (float(v) for v in np.asarray(self.time(batch, np.array([1.0, 2.0])), dtype=np.float64))
-            slope = max(two - one, 0.0) / batch  # seconds per verified token
-            self._fits[key] = MeasuredStepCost(per_token=slope / max(one - slope * batch, 1e-9))
+            self._fits[key] = ForwardFit(per_token=max(two - one, 0.0) / batch)  # seconds per verified token
         return self._fits[key]
 
     def scale(self, batch: int) -> float:
@@ -311,13 +318,14 @@ class BatchAllocator:
             return self._plain[key] / float(np.asarray(self.time(rows, np.array([1.0])))[0])
         return 1.0
 
-    def step_seconds(self, batch: int, drafted: np.ndarray) -> np.ndarray:
-        """Predicted seconds of a step verifying `drafted` draft nodes in all (0: the measured plain
-        step, once there is one)."""
+    def step_seconds(self, batch: int, drafted: np.ndarray, cached: int | None = None) -> np.ndarray:
+        """Predicted seconds of a step verifying `drafted` draft nodes in all. 0 nodes: the fit's
+        pass without drafts plus the step's overhead (its drafting is spent either way), or before
+        the fit the measured plain step, once there is one."""
         drafted = np.asarray(drafted, dtype=np.float64)
         key = self.bucket(batch)
-        out = self.forward_seconds(batch, drafted) + self._overhead.get(key, 0.0)
-        if key in self._plain:
+        out = self.forward_seconds(batch, drafted, cached) + self._overhead.get(key, 0.0)
+        if key in self._plain and not self.fitted(batch):
             out = np.where(drafted == 0, self._plain[key] * batch / self._plain_rows.get(key, batch), out)
         return out
 
@@ -340,20 +348,27 @@ class BatchAllocator:
             self._caps[batch] = int(min(self.max_budget, np.argmax(rate)))
         return self._caps[batch]
 
-    def allocate(self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray]) -> Allocation:
+    def allocate(
+        self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray], cached: int | None = None
+    ) -> Allocation:
         """Nodes to verify per row, from each row's candidate tree's scores (in tree order; an
-        empty array for a row that does not speculate)."""
+        empty array for a row that does not speculate); `cached`: the rows' cached positions,
+        summed (None: as the bucket's recent steps)."""
         B = len(ids)
         gammas = self.acceptance.gammas(ids, greedy)
         ratio = self._ratio.get(self.bucket(B), 1.0)
         values = [ratio * self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
-        cost = lambda ks: self.step_seconds(B, ks)  # noqa: E731
+        cost = lambda ks: self.step_seconds(B, ks, cached)  # noqa: E731
         counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
         self.steps += 1
         self.empty_steps += k == 0
         return Allocation(
-            counts, expected, float(self.step_seconds(B, np.array([k]))[0]), int(sum(s.size for s in scores))
+            counts,
+            expected,
+            float(cost(np.array([k]))[0]),
+            int(sum(s.size for s in scores)),
+            int(cached or 0),
         )
 
     def observe(
@@ -365,14 +380,16 @@ class BatchAllocator:
         tokens: int,
         predicted: float | None = None,
         expected: tuple[float, float] | None = None,
+        cached: int = 0,
     ) -> None:
-        """A step's measured costs (its forward pass and wall time, beside the profile) and rate."""
+        """A step's measured costs (its forward pass over `cached` positions and its wall time) and
+        rate."""
         key = self.bucket(batch)
         if forward_seconds > 0:
             ratio = forward_seconds / float(np.asarray(self.time(batch, np.array([(batch + drafted) / batch])))[0])
             old = self._scale.get(key)
             self._scale[key] = ratio if old is None else self.DECAY * old + (1 - self.DECAY) * ratio
-            self._fit(batch).observe(batch + drafted, forward_seconds)
+            self._fit(batch).observe(batch + drafted, cached, drafted, forward_seconds)
             extra = max(step_seconds - forward_seconds, 0.0)
             old = self._overhead.get(key)
             self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
@@ -399,11 +416,14 @@ class BatchAllocator:
             r[0] = 0.95 * r[0] + 0.05 * predicted
             r[1] = 0.95 * r[1] + 0.05 * tokens / step_seconds
 
-    def observe_plain(self, batch: int, step_seconds: float) -> None:
-        """A plain step's wall time (no drafting, no draft verified)."""
+    def observe_plain(self, batch: int, step_seconds: float, forward_seconds: float = 0.0, cached: int = 0) -> None:
+        """A plain step's wall time (no drafting, no draft verified), and its forward pass over
+        `cached` positions (the forward fit's pass without drafts)."""
         if step_seconds <= 0:
             return
         key = self.bucket(batch)
+        if forward_seconds > 0:
+            self._fit(batch).observe(batch, cached, 0, forward_seconds)
         self.plain_steps += 1
         old, rows = self._plain.get(key), self._plain_rows.get(key)
         self._plain[key] = step_seconds if old is None else self.DECAY * old + (1 - self.DECAY) * step_seconds
@@ -422,9 +442,11 @@ class BatchAllocator:
                 k: {
                     "forward_vs_profile": round(self.scale(k), 3),
                     "worth_correction": round(self._ratio[k], 3) if k in self._ratio else None,
-                    "forward_line_ms": (
+                    # intercept, per token, per thousand cached positions, for verifying any draft
+                    "forward_fit_ms": (
                         [round(1e3 * c, 3) for c in self._fits[k].coefficients()] if k in self._fits else None
                     ),
+                    "forward_level": round(self._fits[k].level, 3) if k in self._fits else None,
                     "overhead_ms": round(1e3 * self._overhead.get(k, 0.0), 2),
                     "plain_step_ms": round(1e3 * self._plain[k], 2) if k in self._plain else None,
                     "gain_over_plain": round(self._gain[k], 3) if k in self._gain else None,
