@@ -236,6 +236,28 @@ def test_greedy_output_is_plain_output_and_rows_get_different_budgets(llama):
     assert len(set(per_step)) > 2  # not one budget for everyone
 
 
+def test_no_row_verifies_a_node_deeper_than_it_has_tokens_left(llama):
+    """A row that may emit L more tokens (max_tokens) can use no node deeper than L - 1 (its bonus
+    token is one of the L): the allocation never verifies one, and the output is plain's."""
+    prompts = [[7, 8, 9, 10, 11, 12] * 12, [20, 21, 22] * 20, [5 + i for i in range(30)] * 2]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    plain = LLMEngine(llama, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = engine(llama, linear_profile(0.05, 0.00001))  # verifying is nearly free: deep trees pay
+    seen = []
+    launch = spec.decode_step.launch
+
+    def watch(plan):
+        depth = np.where(plan.batch.valid, plan.batch.depths, 0).max(axis=1)
+        seen.extend(zip(depth.tolist(), [r.tokens_left for r in plan.requests]))
+        return launch(plan)
+
+    spec.decode_step.launch = watch
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert max(d for d, _ in seen) >= 2  # deep nodes were verified where tokens were left for them
+    assert all(d <= left - 1 for d, left in seen), seen
+
+
 def test_mixed_greedy_and_sampled_rows_join_and_leave_mid_flight(llama):
     """Requests of every kind in one batch, some of one token, some greedy, some sampled with a seed:
     each is what it is alone without speculation."""

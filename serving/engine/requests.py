@@ -101,6 +101,11 @@ class Request:
         return len(self.prompt_ids)
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens it may still emit before max_tokens."""
+        return self.params.max_tokens - (len(self.tokens) - len(self.prompt_ids))
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -123,12 +123,20 @@ class DecodeStep:
     def _allocate(self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray):
         """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
         its tree, at most its budget, and short enough that every row's padded tree stays inside
-        its KV slot (rows are padded to the largest tree). Returns the cut drafts, the rows that
-        keep a draft, nodes per row, the allocation, and the verified nodes' scores per row."""
+        its KV slot (rows are padded to the largest tree). A row with L tokens left before
+        max_tokens emits at most L this step (its bonus token among them), so its candidates stop
+        before its first node deeper than L - 1: verifying it could never count. Returns the cut
+        drafts, the rows that keep a draft, nodes per row, the allocation, and the verified nodes'
+        scores per row."""
         B = len(reqs)
         off = drafts.offsets
         room = self.engine.max_model_len - 1 - max(r.cached for r in reqs)
         limit = np.minimum(np.minimum(budgets, max(room, 0)), np.diff(off))
+        left = np.fromiter((r.tokens_left for r in reqs), dtype=np.int64, count=B)
+        for b in np.flatnonzero(left <= limit):  # (a node's depth is at most its index + 1)
+            too_deep = drafts.depths[off[b] : off[b] + limit[b]] >= left[b]
+            if too_deep.any():
+                limit[b] = int(np.argmax(too_deep))
         empty = np.zeros(0, dtype=np.float32)
         cands = [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
         allocation = self.engine.allocator.allocate(
