@@ -156,11 +156,12 @@ def _allocation(args: argparse.Namespace, shape, hw) -> dict:
 
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    for path in args.groundtruth:  # before the datastore opens: a mistyped path is named at once
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--groundtruth {path}: no such file")
     drafter = sssd.Drafter(None if args.datastore == "none" else args.datastore, budget=64)
     steps = ReplaySteps()
     for path in args.groundtruth:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--groundtruth {path}: no such file")
         _, examples = load_groundtruth(path)
         more = replay_steps(drafter, examples[: args.limit], budget=64)
         steps.scores += more.scores
