@@ -188,6 +188,16 @@ def test_the_split_of_a_ragged_pass_takes_the_long_rows_tails_alone():
     assert attention.split_plan(np.array([5, 5, 4]), torch.device("cpu")) is None  # nearly even: pad
 
 
+def test_a_long_context_splits_where_a_short_one_pads():
+    """One row of 16 verifies 2 tokens: padding the other 15 rows to 2 queries costs 15 query rows, a
+    second call CALL_COST at a short context and less at a long one (a padded query reads every key)."""
+    sizes = np.array([1] * 15 + [2])
+    cpu = torch.device("cpu")
+    assert attention.split_plan(sizes, cpu) is None and attention.split_plan(sizes, cpu, keys=100) is None
+    plan = attention.split_plan(sizes, cpu, keys=700)
+    assert plan is not None and plan.width == 1 and [r for r, *_ in plan.tails] == [15]
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_a_short_row_at_the_end_of_its_slot_beside_a_long_tree_stays_inside_it(llama, ragged):
     """Row 0 has 3 positions left in its slot and verifies its root alone; row 1 verifies 19 draft
