@@ -338,8 +338,28 @@ def test_plain_steps_are_measured_and_drafting_stops_where_it_loses_to_them():
         a = alloc.allocate([1, 2, 3, 4], np.ones(4, bool), scores)
         alloc.observe(4, int(a.counts.sum()) or 1, 0.15 * (1 + a.counts.sum() / 40), 0.16, 6, a.tokens_per_second)
     assert alloc.report()["buckets"][4]["gain_over_plain"] < 1.0
-    turns = [alloc.drafts(4) for _ in range(64)]
-    assert 0 < sum(turns) <= 64 // alloc.PROBE_EVERY  # only probes draft
+    turns = [alloc.drafts(4) for _ in range(4 * alloc.PROBE_MAX)]
+    assert 0 < sum(turns) <= 4 * alloc.PROBE_MAX // alloc.PROBE_EVERY  # only probes draft
+
+
+def test_probes_that_keep_losing_come_less_often_and_one_that_wins_resets_them():
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    alloc.observe_plain(4, 0.05)  # plain: 80 tokens/s
+    scores = [np.full(8, 0.5, np.float32)] * 4
+
+    def probe(tokens: int) -> None:  # a drafted step of 0.1 s
+        a = alloc.allocate([1, 2, 3, 4], np.ones(4, bool), scores)
+        alloc.observe(4, int(a.counts.sum()) or 1, 0.09, 0.1, tokens, a.tokens_per_second)
+
+    for _ in range(8):
+        probe(5)  # 50 tokens/s: each probe loses
+    assert alloc.report()["buckets"][4]["probe_every"] == alloc.PROBE_MAX
+    turns = [alloc.drafts(4) for _ in range(4 * alloc.PROBE_MAX)]
+    assert 1 <= sum(turns) <= 4  # one probe in PROBE_MAX steps
+    for _ in range(6):
+        probe(16)  # 160 tokens/s: drafting pays again
+    assert alloc.report()["buckets"][4]["probe_every"] is None
+    assert sum(alloc.drafts(4) for _ in range(64)) >= 64 - 64 // alloc.PLAIN_EVERY - 1
     # where speculative steps cost what the profile says, drafting goes on (and plain is re-measured)
     good = BatchAllocator(linear_profile(0.05, 0.001).times)
     good.observe_plain(4, 0.054)
