@@ -336,13 +336,17 @@ class BatchAllocator:
             out = np.where(drafted == 0, self._plain[key] * batch / self._plain_rows.get(key, batch), out)
         return out
 
+    def _losing(self, key: int) -> bool:
+        """Whether the bucket's speculative steps measure slower than its plain ones (then only probes draft)."""
+        return self._gain.get(key, 2.0) < 1.0
+
     def drafts(self, batch: int) -> bool:
         """Whether this step drafts at all (see PLAIN_EVERY and PROBE_EVERY)."""
         key = self.bucket(batch)
         n = self._turn[key] = self._turn.get(key, 0) + 1
         if key not in self._plain or n % self.PLAIN_EVERY == 0:
             return False
-        if self._gain.get(key, 2.0) < 1.0:  # a probe once every so many steps (not in step with PLAIN_EVERY)
+        if self._losing(key):  # a probe once every so many steps (not in step with PLAIN_EVERY)
             since = self._since[key] = self._since.get(key, 0) + 1
             if since < self._probe.get(key, self.PROBE_EVERY):
                 return False
@@ -464,7 +468,7 @@ class BatchAllocator:
                     "overhead_ms": round(1e3 * self._overhead.get(k, 0.0), 2),
                     "plain_step_ms": round(1e3 * self._plain[k], 2) if k in self._plain else None,
                     "gain_over_plain": round(self._gain[k], 3) if k in self._gain else None,
-                    "probe_every": self._probe.get(k, self.PROBE_EVERY) if self._gain.get(k, 2.0) < 1.0 else None,
+                    "probe_every": self._probe.get(k, self.PROBE_EVERY) if self._losing(k) else None,
                     "predicted_tokens_per_s": round(self.rates[k][0], 2) if k in self.rates else None,
                     "measured_tokens_per_s": round(self.rates[k][1], 2) if k in self.rates else None,
                     # a speculative step's tokens and milliseconds: predicted, measured
