@@ -216,6 +216,7 @@ def engine(model, profile=None, **kw):
     eng.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 64: 2.3}, profile)
     eng.allocator = build_allocator(eng)
     eng.allocator.FIT_STEPS = 10**9  # priced by `profile` throughout, not by the tiny model's measured passes
+    eng.allocator.PROBE_EVERY = eng.allocator.PROBE_MAX = 1  # nor gated by its measured steps against plain ones
     return eng
 
 
