@@ -12,6 +12,8 @@ finishes) run, in interleaved rounds, as:
                other processes' load (SSSD_FOLLOW_LOAD=0): what the load-following policy costs
     X@SOURCES  X drafting with these sources (comma-separated, as `sssd serve --draft`) instead of
                the default ones: `batch@retrieval` is the allocation without the recent outputs
+    X-unfused  X with every prompt chunk written in a pass of its own (EngineConfig.fuse_prefill
+               off) instead of inside the decode step's pass: `plain-unfused batch-unfused`
 
 Each run starts from a forgotten history (LLMEngine.forget_history): the recent outputs would
 otherwise draft a round's answers from the earlier rounds' answers to the same prompts. Greedy,
@@ -31,6 +33,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -48,6 +51,8 @@ from sssd.serving.engine.params import SamplingParams  # noqa: E402
 MIXED = ["mtbench", "gsm8k", "humaneval", "code-edits", "agent-traces", "quoting"]
 #: A configuration name ending in this runs with the thread count fixed (no load following).
 FIXED = "-fixed-threads"
+#: A configuration name ending in this writes prompt chunks in passes of their own (same engine).
+UNFUSED = "-unfused"
 
 
 def mixed_prompts(sets: list[str], n: int, skip: int = 0, fits=None) -> list[tuple[str, list]]:
@@ -72,6 +77,7 @@ def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
     before = dict(engine.allocator.report()["buckets"]) if engine.allocator is not None else {}
     m = engine.metrics
     prefill0, decode0 = m.prefill_seconds, m.draft_seconds + m.forward_seconds
+    passes0, fused0 = m.prefill_passes, m.prefill_fused
     t0 = time.perf_counter()
     outs = engine.generate([p for _, p in prompts], params)
     seconds = time.perf_counter() - t0
@@ -84,6 +90,8 @@ def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "prefill_seconds": round(m.prefill_seconds - prefill0, 3),
+        "prefill_passes": m.prefill_passes - passes0,  # passes that only wrote prompts
+        "prefill_fused": m.prefill_fused - fused0,  # prompt chunks written by decode passes
         "decode_tokens_per_s": round(tokens / decode, 3) if decode > 0 else None,
         "tokens_per_s": round(tokens / seconds, 3),
         "tokens_per_step": round(tokens / max(steps, 1), 3),
@@ -128,7 +136,7 @@ def main() -> int:
     rec = Recorder("bench_mixed", vars(args))
     max_b = max(args.batch_sizes)
     engines = {}
-    for c in args.configs:
+    for c in dict.fromkeys(c.removesuffix(UNFUSED) for c in args.configs):
         base, _, draft = c.removesuffix(FIXED).partition("@")
         if base == "plain":
             continue
@@ -179,13 +187,15 @@ def main() -> int:
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             res = {}
             for c in order:
-                if c.removesuffix(FIXED) == "plain":
-                    eng = fixed_plain if c.endswith(FIXED) else plain_engine
+                name = c.removesuffix(UNFUSED)
+                if name.removesuffix(FIXED) == "plain":
+                    eng = fixed_plain if name.endswith(FIXED) else plain_engine
                 else:
-                    eng = engines[c]
+                    eng = engines[name]
+                eng.config = dataclasses.replace(eng.config, fuse_prefill=not c.endswith(UNFUSED))
                 eng.scheduler.max_running = B  # the slots stay allocated for the largest batch
                 eng.forget_history()  # the recent outputs hold earlier rounds' answers to these prompts
-                res[c] = run(eng, prompts, args.max_tokens, speculate=c.removesuffix(FIXED) != "plain")
+                res[c] = run(eng, prompts, args.max_tokens, speculate=name.removesuffix(FIXED) != "plain")
             base = res.get("plain")
             for c in args.configs:
                 x = res[c]
@@ -206,7 +216,8 @@ def main() -> int:
                 bucket = alloc.get(1 << max(0, B - 1).bit_length(), {})
                 print(
                     f"B={B:<3} r{r} {c:<9} {x['tokens_per_s']:8.2f} tok/s  x{row['speedup'] or 1:.3f}  "
-                    f"decode x{row['decode_speedup'] or 1:.3f}  prefill {x['prefill_seconds']:.1f}s  "
+                    f"decode x{row['decode_speedup'] or 1:.3f}  prefill {x['prefill_seconds']:.1f}s "
+                    f"({x['prefill_passes']} passes, {x['prefill_fused']} fused)  "
                     f"tok/step {x['tokens_per_step']:.2f}  nodes/row/step {x['nodes_per_row_step']:.2f}  "
                     f"identical {row['identical']}"
                     + (

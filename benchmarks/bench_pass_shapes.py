@@ -9,10 +9,14 @@ attention split's call cost fixed at its short-context value (attention.CALL_CON
 context: the rule before the split looked at the context) and as it is now, so the split's choice
 is compared within one run. `--sweep N` adds passes of B + 1 .. B + N tokens (one row taking the
 nodes, then the next), where the step from a plain pass to one verifying a single node shows.
+`--prefill N` times a prompt chunk of N tokens (a request that joins) written in a pass of its own
+after the plain decode pass, against the same chunk written by the decode pass itself (fused, as
+the engine does where the backend can), and a batch's worth of such chunks in one pass.
 
 Usage:
   python benchmarks/bench_pass_shapes.py --batch 16 --context 700 --split-ab
   python benchmarks/bench_pass_shapes.py --batch 4 16 32 --context 700 --sweep 12
+  python benchmarks/bench_pass_shapes.py --batch 3 15 --context 300 --prefill 50 100 300
 """
 
 from __future__ import annotations
@@ -61,17 +65,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (the first warms up)")
     ap.add_argument("--split-ab", action="store_true", help="also time the split at its fixed call cost")
     ap.add_argument("--sweep", type=int, default=0, help="also time B + 1 .. B + N tokens")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        nargs="+",
+        default=[],
+        help="prompt chunk lengths: each timed in a pass of its own beside the plain pass, and fused into it",
+    )
     args = ap.parse_args()
 
     from sssd.models import resolve_model
     from sssd.serving.backends import attention
     from sssd.serving.backends.torch_backend import TorchBackend
-    from sssd.serving.verify.tree_batch import pack
+    from sssd.serving.verify.tree_batch import pack, pack_chain, stack
     from sssd.tree import DraftBatch
 
     rec = Recorder("bench_pass_shapes", vars(args))
     print("machine:", machine())
-    be = TorchBackend(resolve_model(args.model), slots=max(args.batch), capacity=args.context + 64)
+    longest = max([args.context, *args.prefill])
+    be = TorchBackend(resolve_model(args.model), slots=max(args.batch) + 1, capacity=longest + 64)
     V = be.info.vocab_size
     rng = np.random.default_rng(0)
     context_aware = attention.CALL_CONTEXT
@@ -98,7 +110,36 @@ def main() -> int:
         be.collect(be.launch(slice(0, B), batch, np.ones(B, dtype=bool)))
         return time.perf_counter() - t0
 
+    def prefill_pair(B, n, fused):
+        """The plain decode pass of B rows and one chunk of n prompt tokens (slot B, nothing cached):
+        two passes, or one."""
+        plain = pack(rng.integers(0, V, B), np.full(B, args.context), None)
+        chunk = pack_chain(np.zeros(1, np.int64), [rng.integers(0, V, n)])
+        t0 = time.perf_counter()
+        if fused:
+            be.collect(be.launch(slice(0, B + 1), stack(plain, chunk), np.ones(B + 1, dtype=bool), heads=B))
+        else:
+            be.collect(be.launch(slice(0, B), plain, np.ones(B, dtype=bool)))
+            be.prefill(slice(B, B + 1), chunk)
+        return time.perf_counter() - t0
+
     for B in args.batch:
+        if args.prefill:
+            times = {(n, f): [] for n in args.prefill for f in (False, True)}
+            for r in range(args.rounds):
+                for n in args.prefill:
+                    for f in (False, True):
+                        t = prefill_pair(B, n, f)
+                        if r:
+                            times[(n, f)].append(t)
+            print(f"\nbatch {B} decoding at {args.context} cached positions, one request's prompt chunk beside it: ms")
+            print("| chunk tokens | decode pass + chunk's own pass | one pass (fused) | fused / apart |")
+            print("|---:|---:|---:|---:|")
+            for n in args.prefill:
+                apart, fused = (float(np.median(times[(n, f)])) for f in (False, True))
+                print(f"| {n} | {1e3 * apart:.1f} | {1e3 * fused:.1f} | {fused / apart:.3f} |")
+                rec.add(batch=B, chunk=n, apart_ms=round(1e3 * apart, 2), fused_ms=round(1e3 * fused, 2))
+            continue
         pats = patterns(B, rng) | (sweep(B, args.sweep) if args.sweep else {})
         modes = ["now", "fixed"] if args.split_ab else ["now"]
         times = {(k, m): [] for k in pats for m in modes}

@@ -120,6 +120,42 @@ def test_chunked_prefill_matches(llama):
     assert got.token_ids == want.token_ids
 
 
+def test_prompt_chunks_written_in_the_decode_pass_change_nothing(model, reference):
+    """A step's prompt chunk rides in its decode pass (after the decoding rows' trees): requests
+    that join while others decode, prompts spread over several chunks, greedy and sampled rows,
+    get what they get with chunks in passes of their own and what plain decoding gives, and the
+    passes of their own are spared."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [(5 * i) % 80 + 3] * (i % 3) for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=6 + 3 * i, temperature=0.9, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+
+    def run(**cfg):
+        eng = engine(model, max_running=3, prefill_chunk=5, **cfg)
+        ids, done, pending = {}, {}, list(range(len(prompts)))
+        while pending or eng.has_unfinished():
+            if pending and eng.step_count % 2 == 0:  # one new request every other step
+                i = pending.pop(0)
+                ids[eng.add_request(prompts[i], params[i])] = i
+            for out in eng.step():
+                if out.finished:
+                    done[ids[out.request_id]] = out.token_ids
+        return [done[i] for i in range(len(prompts))], eng.metrics
+
+    spec = dict(datastore=corpus_datastore(reference), budget=8)
+    plain, _ = run(speculate=False, fuse_prefill=False)
+    fused, m_fused = run(**spec)
+    apart, m_apart = run(fuse_prefill=False, **spec)
+    assert fused == plain and apart == plain
+    assert m_fused.prefill_fused > 0 and m_apart.prefill_fused == 0
+    assert m_fused.prefill_passes < m_apart.prefill_passes
+    assert m_fused.prefill_tokens == m_apart.prefill_tokens
+    assert plain == run(speculate=False)[0]
+
+
 def test_stops_inside_an_accepted_run(model, reference):
     """A stop token, a stop string or max_tokens that fall inside a run of
     several accepted tokens end the output exactly where plain decoding does."""

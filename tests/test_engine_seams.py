@@ -16,7 +16,7 @@ import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
 from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled
-from sssd.serving.verify.tree_batch import pack
+from sssd.serving.verify.tree_batch import pack, pack_chain, stack
 from sssd.sources import Candidates, DraftSource, parse_specs
 from sssd.tree import DraftBatch, ancestor_mask, concat
 
@@ -96,6 +96,34 @@ def test_packed_mask_equals_the_per_tree_ancestor_masks(rng):
             for i in range(n, batch.shape[1]):  # padding sees only itself
                 assert np.flatnonzero(vis[b, i]).tolist() == [c + i]
             assert (batch.positions[b, 1:n] == c + tree.depths).all() and batch.positions[b, 0] == c
+
+
+def test_a_prompt_chunk_stacked_under_the_trees_leaves_every_row_as_it_was(rng):
+    """stack(): a decode step's trees and prompt chunks in one batch; each row sees exactly what it
+    saw alone, and the wider side's padding neither sees nor is seen by anything else."""
+    for _ in range(20):
+        B, P = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        trees = pack(rng.integers(0, 12, B), rng.integers(0, 30, B), random_drafts(rng, B))
+        chunks = pack_chain(rng.integers(0, 30, P), [rng.integers(0, 12, int(rng.integers(1, 25))) for _ in range(P)])
+        both = stack(trees, chunks)
+        T = max(trees.shape[1], chunks.shape[1])
+        assert both.shape == (B + P, T)
+        vis = both.visible()
+        for part, rows in ((trees, range(B)), (chunks, range(B, B + P))):
+            alone, t = part.visible(), part.shape[1]
+            for i, b in enumerate(rows):
+                n = int(part.sizes[i])
+                assert both.sizes[b] == n and both.cached[b] == part.cached[i]
+                assert (both.tokens[b, :n] == part.tokens[i, :n]).all()
+                assert (both.positions[b, :n] == part.positions[i, :n]).all()
+                assert (both.writes[b, :n] == part.writes[i, :n]).all()
+                S = min(alone.shape[2], vis.shape[2])
+                assert (vis[b, :n, :S] == alone[i, :n, :S]).all() and not vis[b, :n, S:].any()
+                assert not both.valid[b, n:].any()
+                c = int(part.cached[i])
+                for j in range(n, T):  # padding sees only itself
+                    assert np.flatnonzero(vis[b, j]).tolist() == [c + j]
+                assert t <= T
 
 
 def test_greedy_acceptance_equals_the_per_node_walk(rng):

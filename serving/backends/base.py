@@ -62,6 +62,16 @@ class NodeOutputs:
     logit_index: np.ndarray | None = None
     topk: np.ndarray | None = None
 
+    def cropped(self, width: int) -> NodeOutputs:
+        """The outputs of the first `width` query slots of every row (a decode step's trees, when a
+        prompt chunk made the pass wider)."""
+        return NodeOutputs(
+            self.argmax[:, :width],
+            self.logits,
+            None if self.logit_index is None else self.logit_index[:, :width],
+            None if self.topk is None else self.topk[:, :width],
+        )
+
 
 class VerifierBackend(abc.ABC):
     """A target model that verifies packed draft trees over its own KV slots."""
@@ -69,17 +79,21 @@ class VerifierBackend(abc.ABC):
     info: ModelInfo
     slots: int  # KV slots (requests that can run at once)
     capacity: int  # tokens per slot
+    #: launch(..., heads=n) takes prompt chunks in the rows after the first n (their K/V written,
+    #: no outputs): a step's prefill rides in its decode pass (scheduler.py)
+    fuses_prefill: bool = False
 
     @abc.abstractmethod
     def prefill(self, rows: slice, batch: TreeBatch) -> None:
         """Writes prompt chunks (chains, tree_batch.pack_chain) into slots `rows`."""
 
     @abc.abstractmethod
-    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0) -> Any:
+    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0, heads: int | None = None) -> Any:
         """Starts one forward pass over slots `rows` (greedy: [B] bool per row); returns a handle.
         With `topk` > 0 its NodeOutputs also hold the top-k next tokens at every node (the
         engine asks only when a draft source observes them: a backend without them may
-        refuse)."""
+        refuse). With `heads` (only where `fuses_prefill`), only the first `heads` rows yield
+        outputs (NodeOutputs of `heads` rows); the rest are prompt chunks, written only."""
 
     @abc.abstractmethod
     def collect(self, handle: Any) -> NodeOutputs:

@@ -321,8 +321,9 @@ class TorchBackend(VerifierBackend):
             full = tree_mask(cached, valid, anc, S)[:, None]
             kv_pos = kv_positions(writes, pos, S) if sliding else None
             ragged = rest[0] if rest else None
-            if spill:  # only padding lies past the slots' end: nothing there is read or written
-                S = self.capacity
+            if ragged is not None:  # padding is neither written nor read: keys up to the last real token
+                # (a prompt chunk beside a decode step's trees pads them to the chunk's length)
+                S = int((batch.cached + batch.sizes).max())
                 full = full[..., :S]
                 kv_pos = kv_pos[:, :S] if kv_pos is not None else None
         else:
@@ -355,6 +356,12 @@ class TorchBackend(VerifierBackend):
         full_rows[ragged] = hidden[0]
         return full_rows.view(B, T, -1)
 
+    @property
+    def fuses_prefill(self) -> bool:
+        """Prompt chunks ride in decode passes where passes run ragged (padded, a decode step's
+        trees would all be as long as the chunk)."""
+        return self.ragged
+
     def hidden_states(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
         """Final hidden states [B, T, hidden] of one pass over slots `rows`, writing its K/V.
 
@@ -367,14 +374,18 @@ class TorchBackend(VerifierBackend):
         self._forward(rows, batch)
 
     @torch.inference_mode()
-    def launch(self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0) -> _Pending:
+    def launch(
+        self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0, heads: int | None = None
+    ) -> _Pending:
         hidden = self._forward(rows, batch)
         B, T = batch.shape
         k = min(int(topk), self.info.vocab_size)
-        pending = _Pending((B, T), k)
+        H = B if heads is None else int(heads)  # rows past H are prompt chunks: written, no outputs
+        pending = _Pending((H, T), k)
         flat = hidden.reshape(B * T, hidden.shape[-1])
-        greedy = np.asarray(greedy, dtype=bool)
-        for want, sampled in ((batch.valid & greedy[:, None], False), (batch.valid & ~greedy[:, None], True)):
+        greedy = np.asarray(greedy, dtype=bool)[:H]
+        valid = batch.valid[:H]
+        for want, sampled in ((valid & greedy[:, None], False), (valid & ~greedy[:, None], True)):
             if not want.any():
                 continue
             b, i = np.nonzero(want)

@@ -30,6 +30,8 @@ class EngineConfig:
         max_model_len: tokens per slot: prompt + output + one draft tree.
         max_waiting: queued requests beyond which add_request refuses (back-pressure).
         prefill_chunk: prompt tokens written per step across prefilling requests.
+        fuse_prefill: write a step's prompt chunk in its decode pass where the backend can (one
+            pass a step instead of two: a request that joins alone pays no pass of its own).
         speculate: draft and verify (False: plain decoding, same engine).
         budget: a fixed draft budget: every request drafts that many nodes with every listed
             source, whatever the cost models say. None lets the engine decide each step: with
@@ -57,6 +59,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_waiting: int = 1024
     prefill_chunk: int = 512
+    fuse_prefill: bool = True
     speculate: bool = True
     budget: int | None = None
     allocation: str = "batch"

@@ -4,7 +4,8 @@ Every call to step() is one iteration of an Orca-style loop:
 
 1. admit waiting requests into free KV slots (scheduler.py);
 2. prefill: write the next chunk of prompts into their slots (a bounded number of prompt tokens
-   per step, so long prompts never stall decoding);
+   per step, so long prompts never stall decoding), in the decode step's forward pass where the
+   backend can (one pass a step), else in a pass of its own;
 3. decode one speculative step for every decoding request (step.py: prepare, launch, finish).
 
 The engine knows the target only through its VerifierBackend (backends/base.py): slots, forward
@@ -245,13 +246,17 @@ class LLMEngine:
         """One iteration: admit, prefill a chunk, decode one speculative step."""
         self.follow_load()
         self.scheduler.admit(self.open_draft)
+        reqs, chunk = self.decoding(), None
         if self.scheduler.prefilling():
-            self.scheduler.prefill(self.metrics)
-        reqs = self.decoding()
+            if reqs and self.pipeline is None and self.config.fuse_prefill and self.backend.fuses_prefill:
+                chunk = self.scheduler.next_chunk()  # written by the decode step's own pass
+            else:
+                self.scheduler.prefill(self.metrics)
+                reqs = self.decoding()
         if reqs and self.pipeline is not None:
             self.pipeline.decode()
         elif reqs:
-            plan = self.decode_step.prepare(reqs)
+            plan = self.decode_step.prepare(reqs, prefill=chunk)
             self.decode_step.grow(plan)
             self.decode_step.finish(plan, self.decode_step.launch(plan))
         self.step_count += 1

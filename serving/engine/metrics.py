@@ -53,7 +53,9 @@ class EngineMetrics:
         self.draft_time = Histogram()
         self.step_time = Histogram()
         self.accepted_by_source: dict[str, int] = {}
-        self.prefill_seconds = 0.0
+        self.prefill_seconds = 0.0  # passes that only wrote prompts (fused chunks are in the decode steps' time)
+        self.prefill_passes = 0  # passes of their own
+        self.prefill_fused = 0  # chunks written by a decode step's pass
         self.budgets: dict[int, int] = {}  # budget -> steps that used it
         self.finished_requests = 0
         self.finish_reasons: dict[str, int] = {}
@@ -63,9 +65,13 @@ class EngineMetrics:
         #: per decode step, its phases' perf_counter marks (None: not recorded; a list records them)
         self.timeline: list[dict] | None = None
 
-    def prefill(self, tokens: int, seconds: float) -> None:
+    def prefill(self, tokens: int, seconds: float, fused: bool = False) -> None:
         self.prefill_tokens += tokens
         self.prefill_seconds += seconds
+        if fused:
+            self.prefill_fused += 1
+        else:
+            self.prefill_passes += 1
 
     def decode_step(
         self,
@@ -114,6 +120,7 @@ def timeline_entry(plan: Any, job: Any, emitted: int, accepted: int, now: float)
         "waited": t.get("waited"),
         "end": now,
         "accepted": int(accepted),
+        "prefill_tokens": plan.prefill.tokens if getattr(plan, "prefill", None) is not None else 0,
     }
     if job is not None:
         out.update(draft_start=job.started, draft_end=job.ended)

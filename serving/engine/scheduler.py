@@ -5,19 +5,36 @@ and prefilling ones after them (d..n-1), so that a forward pass over either grou
 as a plain slice (a view, no gather). Admitting, promoting (prefill -> decode) and retiring keep
 that order by swapping slots, which copies only the positions in use. Prompts are written in
 chunks, at most `prefill_chunk` tokens a step across the prefilling requests, so a long prompt
-never stalls decoding.
+never stalls decoding. Where the backend can (TorchBackend.fuses_prefill), a step's chunk rides in
+its decode pass (the prefilling slots follow the decoding ones): one pass a step, not two, so a
+request joining alone does not pay a pass of its own.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from sssd.serving.engine.requests import Request, Status
-from sssd.serving.verify.tree_batch import pack_chain
+from sssd.serving.verify.tree_batch import TreeBatch, pack_chain
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens to write in one pass: `batch` (chains, tree_batch.pack_chain) into `slots`,
+    row i for `requests[i]`."""
+
+    requests: list[Request]
+    batch: TreeBatch
+    slots: slice
+
+    @property
+    def tokens(self) -> int:
+        return int(self.batch.sizes.sum())
 
 
 class Scheduler:
@@ -78,8 +95,10 @@ class Scheduler:
         self.slots.pop()
         req.slot = -1
 
-    def prefill(self, metrics) -> None:
-        """Writes the next chunk of the prefilling requests' prompts; promotes those now written."""
+    def next_chunk(self) -> PrefillChunk | None:
+        """The next chunk of the prefilling requests' prompts, at most `prefill_chunk` tokens (None:
+        nothing to write). Nothing is written yet: `prefill` runs it alone, or a decode step runs it
+        in its own forward pass (LLMEngine.step) and then calls `written`."""
         budget = self.prefill_chunk
         rows, chunks, cached = [], [], []
         for req in self.slots[self.num_decode :]:
@@ -92,15 +111,28 @@ class Scheduler:
             cached.append(req.cached)
             budget -= n
         if not rows:
-            return
-        t0 = time.perf_counter()
+            return None
         batch = pack_chain(np.asarray(cached), chunks)
-        self.backend.prefill(slice(self.num_decode, self.num_decode + len(rows)), batch)
-        metrics.prefill(int(batch.sizes.sum()), time.perf_counter() - t0)
-        for req, chunk in zip(rows, chunks):
-            req.cached += len(chunk)
+        return PrefillChunk(rows, batch, slice(self.num_decode, self.num_decode + len(rows)))
+
+    def written(self, chunk: PrefillChunk) -> None:
+        """A chunk's K/V are in its slots: its requests advance, and those whose prompt is written
+        start decoding (from the next step)."""
+        for req, n in zip(chunk.requests, chunk.batch.sizes.tolist()):
+            req.cached += n
             if req.cached == req.prompt_len - 1:
                 self.promote(req)
+
+    def prefill(self, metrics) -> None:
+        """Writes the next chunk of the prefilling requests' prompts in a pass of its own; promotes
+        those now written."""
+        chunk = self.next_chunk()
+        if chunk is None:
+            return
+        t0 = time.perf_counter()
+        self.backend.prefill(chunk.slots, chunk.batch)
+        metrics.prefill(chunk.tokens, time.perf_counter() - t0)
+        self.written(chunk)
 
     def _swap(self, a: int, b: int) -> None:
         if a == b:

@@ -27,7 +27,7 @@ from sssd.serving.engine.metrics import timeline_entry
 from sssd.serving.engine.requests import Request
 from sssd.serving.planning.allocation import trials
 from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled, mss_trials
-from sssd.serving.verify.tree_batch import NO_SOURCE, TreeBatch, pack
+from sssd.serving.verify.tree_batch import NO_SOURCE, TreeBatch, pack, stack
 from sssd.sources import DraftRequest
 
 log = logging.getLogger("sssd.serving")
@@ -53,6 +53,7 @@ class StepPlan:
     scores: list | None = None  # [B] the verified nodes' scores per row (what the allocation learns from)
     cap: int = 0  # how deep every row was drafted before the allocation cut its tree
     cached: int = 0  # the rows' cached positions, summed (what the forward pass reads beside its tokens)
+    prefill: Any = None  # a prompt chunk (scheduler.PrefillChunk) written in this step's pass, after its rows
 
 
 @dataclass
@@ -74,8 +75,9 @@ class DecodeStep:
         self._said_nothing_pays: set[int] = set()
 
     # -- prepare ---------------------------------------------------------------------------
-    def prepare(self, reqs: list[Request]) -> StepPlan:
-        """Chooses the budget, drafts every decoding request's tree, packs them (CPU only)."""
+    def prepare(self, reqs: list[Request], prefill: Any = None) -> StepPlan:
+        """Chooses the budget, drafts every decoding request's tree, packs them (CPU only). `prefill`:
+        a prompt chunk (scheduler.PrefillChunk) the same pass writes, in the slots after the rows."""
         eng = self.engine
         B = len(reqs)
         t0 = time.perf_counter()
@@ -117,6 +119,7 @@ class DecodeStep:
         batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B), cached, drafts, use)
         plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
         plan.allocation, plan.scores, plan.cap, plan.cached = allocation, scores, cap, int(cached.sum())
+        plan.prefill = prefill
         plan.times["prepared"] = time.perf_counter()
         return plan
 
@@ -275,10 +278,17 @@ class DecodeStep:
         eng = self.engine
         plan.launched = plan.times["launched"] = time.perf_counter()
         topk = eng.drafting.observe_topk if eng.drafting is not None else 0
-        rows = slice(0, len(plan.requests))
+        B = len(plan.requests)
+        batch, rows, greedy, extra = plan.batch, slice(0, B), plan.greedy, {}
+        if plan.prefill is not None:  # the prompt chunk's slots follow the rows': one pass writes both
+            chunk = plan.prefill
+            assert chunk.slots.start == B, "a fused prompt chunk must sit in the slots right after the rows"
+            batch, rows = stack(plan.batch, chunk.batch), slice(0, chunk.slots.stop)
+            greedy = np.concatenate([plan.greedy, np.ones(len(chunk.requests), dtype=bool)])
+            extra["heads"] = B
         if topk:  # a source observes the target's top-k next tokens (asked for only then)
-            return eng.backend.launch(rows, plan.batch, plan.greedy, topk=topk)
-        return eng.backend.launch(rows, plan.batch, plan.greedy)
+            extra["topk"] = topk
+        return eng.backend.launch(rows, batch, greedy, **extra)
 
     # -- finish ----------------------------------------------------------------------------
     def finish(self, plan: StepPlan, handle: Any) -> None:
@@ -292,6 +302,10 @@ class DecodeStep:
         out = eng.backend.collect(handle)
         t_forward = time.perf_counter() - plan.launched
         plan.times["forward"] = time.perf_counter()
+        if plan.prefill is not None:  # before any slot moves: a swap copies only the positions cached
+            out = out.cropped(plan.batch.shape[1])
+            eng.scheduler.written(plan.prefill)
+            eng.metrics.prefill(plan.prefill.tokens, 0.0, fused=True)
         outcome = self._accept(plan, out)
         if plan.scores is not None:
             self._learn_acceptance(plan, outcome)
@@ -450,6 +464,17 @@ class DecodeStep:
         eng = self.engine
         B = len(plan.requests)
         seconds = time.perf_counter() - plan.started
+        if plan.prefill is not None:
+            # the pass also wrote a prompt chunk: its times are no decode step's, so the cost models
+            # do not see them (only how the drafts' worth compared with what they gave)
+            if plan.allocation is not None:
+                a = plan.allocation
+                eng.allocator.observe(
+                    B, int(plan.budgets.sum()), 0.0, 0.0, n_emitted, expected=(a.expected_tokens, a.seconds)
+                )
+            if eng.metrics.timeline is not None:
+                eng.metrics.timeline.append(timeline_entry(plan, job, n_emitted, sum(accepted), time.perf_counter()))
+            return
         if plan.allocation is not None:
             a = plan.allocation
             eng.allocator.observe(

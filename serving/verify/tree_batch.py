@@ -147,3 +147,42 @@ def pack_chain(cached: np.ndarray, chunks: list[np.ndarray]) -> TreeBatch:
         ancestors,
         np.full((B, T), NO_SOURCE, dtype=np.uint8),
     )
+
+
+def stack(top: TreeBatch, bottom: TreeBatch) -> TreeBatch:
+    """One batch of `top`'s rows then `bottom`'s (a decode step's trees and prompt chunks written in
+    the same pass), each padded to the wider of the two; padding stays padding (invalid, seeing
+    only itself)."""
+    T = max(top.shape[1], bottom.shape[1])
+
+    def widen(x: TreeBatch) -> TreeBatch:
+        B, t = x.shape
+        if t == T:
+            return x
+        pad = T - t
+
+        def cols(a: np.ndarray, fill) -> np.ndarray:
+            return np.concatenate([a, np.full((B, pad), fill, dtype=a.dtype)], axis=1)
+
+        ancestors = np.zeros((B, T, T), dtype=bool)
+        ancestors[:, :t, :t] = x.ancestors
+        ancestors[:, np.arange(t, T), np.arange(t, T)] = True
+        return TreeBatch(
+            cols(x.tokens, 0),
+            cols(x.parents, -1),
+            cols(x.depths, 0),
+            cols(x.valid, False),
+            x.sizes,
+            x.cached,
+            ancestors,
+            cols(x.sources, NO_SOURCE),
+        )
+
+    a, b = widen(top), widen(bottom)
+    return TreeBatch(
+        *(np.concatenate([getattr(a, f), getattr(b, f)]) for f in ("tokens", "parents", "depths", "valid")),
+        np.concatenate([a.sizes, b.sizes]),
+        np.concatenate([a.cached, b.cached]),
+        np.concatenate([a.ancestors, b.ancestors]),
+        np.concatenate([a.sources, b.sources]),
+    )
