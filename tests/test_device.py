@@ -180,12 +180,27 @@ def test_ragged_passes_keep_greedy_identical_through_the_engine(llama, monkeypat
 def test_the_split_of_a_ragged_pass_takes_the_long_rows_tails_alone():
     plan = attention.split_plan(np.array([1, 2, 41, 1, 3]), torch.device("cpu"))
     assert plan.width <= 3 and [r for r, *_ in plan.tails] == [2]
-    r, j0, j1, size = plan.tails[0]
-    assert (j0, j1, size) == (1 + 2 + plan.width, 1 + 2 + 41, 41)
+    r, j0, j1, q0, keys = plan.tails[0]
+    assert (j0, j1, q0, keys) == (1 + 2 + plan.width, 1 + 2 + 41, plan.width, None)
     # every token is in the all-rows call or in a tail, once
-    covered = sorted(plan.src.tolist() + [j for _, a, b, _ in plan.tails for j in range(a, b)])
+    covered = sorted(plan.src.tolist() + [j for _, a, b, *_ in plan.tails for j in range(a, b)])
     assert covered == list(range(48))
     assert attention.split_plan(np.array([5, 5, 4]), torch.device("cpu")) is None  # nearly even: pad
+
+
+def test_prompt_chunks_beside_trees_attend_alone_and_each_call_reads_only_the_keys_it_sees():
+    """A decode pass that also writes prompt chunks (rows from `heads` on): the chunks are whole
+    tails, the head call covers the tree rows only, and every call reads keys only as far as its
+    queries see (a chunk deep into a long prompt must not make the tree rows read its context)."""
+    sizes, cached = np.array([1, 3, 1, 40, 7]), np.array([100, 50, 80, 900, 0])
+    plan = attention.split_plan(sizes, torch.device("cpu"), keys=940, cached=cached, heads=3)
+    assert plan.rows == 3 and plan.head_keys == max(100 + 1, 50 + plan.width, 80 + 1)
+    whole = [(r, j0, j1, q0, keys) for r, j0, j1, q0, keys in plan.tails if r >= 3]
+    assert whole == [(3, 5, 45, 0, 940), (4, 45, 52, 0, 7)]
+    covered = sorted(plan.src.tolist() + [j for _, a, b, *_ in plan.tails for j in range(a, b)])
+    assert covered == list(range(52))
+    # even rows still split when chunks follow them
+    assert attention.split_plan(np.array([2, 2, 9]), torch.device("cpu"), heads=2).tails[0][0] == 2
 
 
 def test_a_long_context_splits_where_a_short_one_pads():

@@ -57,6 +57,8 @@ class PoolStep:
         fold: bool | None = None,
         ragged: torch.Tensor | None = None,
         sizes=None,
+        cached=None,
+        heads: int | None = None,
     ):
         self.pool, self.rows, self.length = pool, rows, length
         self.index = pool.flat_index(rows, positions)  # the same for every layer
@@ -70,7 +72,11 @@ class PoolStep:
             self.index = self.index.view(B, heads, T).transpose(0, 1).reshape(heads, B * T)[:, ragged].reshape(-1)
         self.fold = (pool.kv.device.type == "cuda" and cuda_mode() == "folded") if fold is None else fold
         self._biases: dict = {}  # (mask id, groups, dtype) -> the folded additive mask, shared by the layers
-        self.split = split_plan(sizes, positions.device, length) if ragged is not None and sizes is not None else None
+        self.split = (
+            split_plan(sizes, positions.device, length, cached, heads)
+            if ragged is not None and sizes is not None
+            else None
+        )
 
     def folded_bias(self, mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask [B, 1, G x T, S] of the folded queries, built once per pass and mask."""
@@ -114,46 +120,61 @@ CALL_CONTEXT = 256
 
 class SplitPlan:
     """Attention of a ragged pass in 1 + R calls instead of one over rows padded to the largest
-    tree: the first `width` queries of every row in one call over the whole batch (no K/V copied),
-    then each of the R rows with more queries attends with the rest alone (a one-row view of its
-    K/V). With one row verifying 60 nodes beside rows of 1-3, attention costs what the real
-    queries cost, not rows x 61 (at long contexts, most of a padded pass).
+    tree: the first `width` queries of every head row in one call (no K/V copied), then each of the
+    R rows with more queries attends with the rest alone (a one-row view of its K/V). With one row
+    verifying 60 nodes beside rows of 1-3, attention costs what the real queries cost, not rows x 61
+    (at long contexts, most of a padded pass). Rows from `heads` on (prompt chunks written by a
+    decode pass) attend whole, alone. Each call reads keys only as far as its queries see (with
+    `cached`: the rows' cached positions), not as far as the pass's longest row.
 
     Ragged tokens are in row-major order: row r's are [start[r], start[r] + sizes[r])."""
 
-    def __init__(self, sizes, width: int, device: torch.device):
+    def __init__(self, sizes, width: int, device: torch.device, cached=None, heads: int | None = None):
         import numpy as np
 
         sizes = np.asarray(sizes, dtype=np.int64)
         B = sizes.size
+        H = B if heads is None else int(heads)
         start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        head = np.minimum(sizes, width)
-        rows = np.repeat(np.arange(B), head)
+        head = np.minimum(sizes[:H], width)
+        rows = np.repeat(np.arange(H), head)
         idx = np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head)
-        self.width, self.rows = int(width), B
-        self.src = torch.from_numpy(np.repeat(start, head) + idx).to(device)  # ragged position
-        self.dst = torch.from_numpy(rows * width + idx).to(device)  # position in [B x width]
+        self.width, self.rows = int(width), H
+        self.src = torch.from_numpy(np.repeat(start[:H], head) + idx).to(device)  # ragged position
+        self.dst = torch.from_numpy(rows * width + idx).to(device)  # position in [H x width]
+        ends = None if cached is None else np.asarray(cached, dtype=np.int64) + sizes  # keys each row's queries see
+        #: keys the head call reads (None: all of them)
+        self.head_keys = None if ends is None or not H else int((ends[:H] - sizes[:H] + head).max())
+        #: (row, first ragged token, end, the first one's query index in its row, keys it reads or None)
         self.tails = [
-            (int(r), int(start[r] + width), int(start[r] + sizes[r]), int(sizes[r]))
-            for r in np.flatnonzero(sizes > width)
+            (int(r), int(start[r] + q0), int(start[r] + sizes[r]), q0, None if ends is None else int(ends[r]))
+            for r in range(B)
+            for q0 in [width if r < H else 0]
+            if sizes[r] > q0
         ]
 
 
-def split_plan(sizes, device: torch.device, keys: int | None = None) -> SplitPlan | None:
-    """The split that costs least (B x width + the tails' queries + a call's cost per extra call, in
-    query rows: CALL_COST, less past CALL_CONTEXT `keys`); None when padding every row costs no more."""
+def split_plan(
+    sizes, device: torch.device, keys: int | None = None, cached=None, heads: int | None = None
+) -> SplitPlan | None:
+    """The split that costs least (rows x width + the tails' queries + a call's cost per extra call, in
+    query rows: CALL_COST, less past CALL_CONTEXT `keys`); None when padding every row costs no more.
+    Rows from `heads` on (prompt chunks) always attend alone (see SplitPlan)."""
     import numpy as np
 
     call = CALL_COST * CALL_CONTEXT / max(int(keys or 0), CALL_CONTEXT)
     sizes = np.asarray(sizes, dtype=np.int64)
-    T = int(sizes.max())
-    best_w, best = T, sizes.size * T
-    for w in np.unique(sizes):
-        longer = sizes > w
-        cost = sizes.size * int(w) + int((sizes[longer] - w).sum()) + call * int(longer.sum())
+    H = sizes.size if heads is None else int(heads)
+    T = int(sizes[:H].max()) if H else 1
+    best_w, best = T, H * T
+    for w in np.unique(sizes[:H]):
+        longer = sizes[:H] > w
+        cost = H * int(w) + int((sizes[:H][longer] - w).sum()) + call * int(longer.sum())
         if cost < best:
             best_w, best = int(w), cost
-    return SplitPlan(sizes, best_w, device) if best_w < T else None
+    if best_w < T or H < sizes.size:
+        return SplitPlan(sizes, best_w, device, cached, H)
+    return None
 
 
 def split_attention(step: PoolStep, query, k, v, mask, scaling, groups: int) -> torch.Tensor:
@@ -162,18 +183,26 @@ def split_attention(step: PoolStep, query, k, v, mask, scaling, groups: int) -> 
     B, W = plan.rows, plan.width
     _, H, N, D = query.shape
     out = query.new_empty((H, N, D))
-    q = query.new_zeros((H, B * W, D))
-    q.index_copy_(1, plan.dst, query[0].index_select(1, plan.src))
-    head = torch.nn.functional.scaled_dot_product_attention(
-        q.view(H, B, W, D).transpose(0, 1), k, v, attn_mask=mask[:, :, :W], scale=scaling, enable_gqa=groups > 1
-    )
-    out.index_copy_(1, plan.src, head.transpose(0, 1).reshape(H, B * W, D).index_select(1, plan.dst))
-    for r, j0, j1, size in plan.tails:
+    if B:
+        S = plan.head_keys or k.shape[2]
+        q = query.new_zeros((H, B * W, D))
+        q.index_copy_(1, plan.dst, query[0].index_select(1, plan.src))
+        head = torch.nn.functional.scaled_dot_product_attention(
+            q.view(H, B, W, D).transpose(0, 1),
+            k[:B, :, :S],
+            v[:B, :, :S],
+            attn_mask=mask[:B, :, :W, :S],
+            scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        out.index_copy_(1, plan.src, head.transpose(0, 1).reshape(H, B * W, D).index_select(1, plan.dst))
+    for r, j0, j1, q0, keys in plan.tails:
+        S = keys or k.shape[2]
         out[:, j0:j1] = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, j0:j1],
-            k[r : r + 1],
-            v[r : r + 1],
-            attn_mask=mask[r : r + 1, :, W:size],
+            k[r : r + 1, :, :S],
+            v[r : r + 1, :, :S],
+            attn_mask=mask[r : r + 1, :, q0 : q0 + j1 - j0, :S],
             scale=scaling,
             enable_gqa=groups > 1,
         )[0]

@@ -291,8 +291,9 @@ class TorchBackend(VerifierBackend):
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
-        """Final hidden states [B, T, hidden] of one pass over slots `rows`.
+    def _forward(self, rows: slice, batch: TreeBatch, heads: int | None = None) -> torch.Tensor:
+        """Final hidden states [B, T, hidden] of one pass over slots `rows` (rows from `heads` on:
+        prompt chunks beside a decode step's trees, attended alone).
 
         A TreeBatch sends its integer arrays and ancestor relation (one copy on a GPU) and its
         mask is built there; anything else shaped like one (a draft model's trees) sends its
@@ -344,6 +345,8 @@ class TorchBackend(VerifierBackend):
             fold=self.fold_attention,
             ragged=ragged,
             sizes=batch.sizes if ragged is not None else None,
+            cached=batch.cached if ragged is not None else None,
+            heads=heads,
         )
         ids, at = (tok, pos) if ragged is None else (tok.reshape(-1)[ragged][None], pos.reshape(-1)[ragged][None])
         out = self.model.model(
@@ -377,7 +380,7 @@ class TorchBackend(VerifierBackend):
     def launch(
         self, rows: slice, batch: TreeBatch, greedy: np.ndarray, topk: int = 0, heads: int | None = None
     ) -> _Pending:
-        hidden = self._forward(rows, batch)
+        hidden = self._forward(rows, batch, heads)
         B, T = batch.shape
         k = min(int(topk), self.info.vocab_size)
         H = B if heads is None else int(heads)  # rows past H are prompt chunks: written, no outputs
