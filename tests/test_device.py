@@ -248,3 +248,42 @@ def test_a_short_row_at_the_end_of_its_slot_beside_a_long_tree_stays_inside_it(l
         n = int(batch.sizes[b])
         torch.testing.assert_close(both[b, :n], alone[0, :n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(be.pool.kv[:, :, 1, :, :4], before[:, :, 1, :, :4])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_a_decode_pass_that_writes_prompt_chunks_computes_what_two_passes_do(llama, rows, monkeypatch):
+    """launch(heads=B) over B tree rows stacked over prompt chunks: the trees' outputs and every K/V
+    written are those of the decode pass and the chunks' own pass; only the tree rows are in the
+    attention's head call (the chunks attend alone), whatever the model's K/V head count."""
+    from sssd.serving.verify.tree_batch import pack_chain, stack
+
+    rng = np.random.default_rng(rows)
+    chunk_rows = 2
+    be = TorchBackend(llama, slots=rows + chunk_rows, capacity=96)
+    torch.manual_seed(rows)
+    be.pool.kv.copy_(torch.randn_like(be.pool.kv))
+    before = be.pool.kv.clone()
+    cached = rng.integers(5, 60, rows)
+    trees = pack(rng.integers(3, 90, rows), cached, random_drafts(rng, rows))
+    chunks = pack_chain(np.array([0, 40]), [rng.integers(3, 90, 23), rng.integers(3, 90, 9)])
+    seen = []
+    plan = attention.split_plan
+    monkeypatch.setattr(attention, "split_plan", lambda *a, **k: seen.append(plan(*a, **k)) or seen[-1])
+    greedy = np.ones(rows + chunk_rows, dtype=bool)
+    fused = be.collect(be.launch(slice(0, rows + chunk_rows), stack(trees, chunks), greedy, heads=rows))
+    assert {p.rows for p in seen} == {rows}
+    assert fused.argmax.shape[0] == rows
+    after = be.pool.kv.clone()
+
+    apart = TorchBackend(llama, slots=rows + chunk_rows, capacity=96)
+    apart.pool.kv.copy_(before)
+    want = apart.collect(apart.launch(slice(0, rows), trees, greedy[:rows]))
+    apart.prefill(slice(rows, rows + chunk_rows), chunks)
+    T = trees.shape[1]
+    assert (fused.cropped(T).argmax[trees.valid] == want.argmax[trees.valid]).all()
+    for b in range(rows):  # the trees' K/V at their write positions, the rest of the slot untouched
+        n = int(trees.sizes[b])
+        torch.testing.assert_close(after[:, :, b, :, : cached[b] + n], apart.pool.kv[:, :, b, :, : cached[b] + n])
+    for i in range(chunk_rows):
+        end = int(chunks.cached[i] + chunks.sizes[i])
+        torch.testing.assert_close(after[:, :, rows + i, :, :end], apart.pool.kv[:, :, rows + i, :, :end])

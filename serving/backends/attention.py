@@ -58,7 +58,7 @@ class PoolStep:
         ragged: torch.Tensor | None = None,
         sizes=None,
         cached=None,
-        heads: int | None = None,
+        head_rows: int | None = None,
     ):
         self.pool, self.rows, self.length = pool, rows, length
         self.index = pool.flat_index(rows, positions)  # the same for every layer
@@ -68,12 +68,12 @@ class PoolStep:
         self.ragged, self.shape = ragged, tuple(positions.shape)
         if ragged is not None:
             B, T = self.shape
-            heads = self.index.numel() // (B * T)
-            self.index = self.index.view(B, heads, T).transpose(0, 1).reshape(heads, B * T)[:, ragged].reshape(-1)
+            kv_heads = self.index.numel() // (B * T)
+            self.index = self.index.view(B, kv_heads, T).transpose(0, 1).reshape(kv_heads, B * T)[:, ragged].reshape(-1)
         self.fold = (pool.kv.device.type == "cuda" and cuda_mode() == "folded") if fold is None else fold
         self._biases: dict = {}  # (mask id, groups, dtype) -> the folded additive mask, shared by the layers
         self.split = (
-            split_plan(sizes, positions.device, length, cached, heads)
+            split_plan(sizes, positions.device, length, cached, head_rows)
             if ragged is not None and sizes is not None
             else None
         )

@@ -346,7 +346,7 @@ class TorchBackend(VerifierBackend):
             ragged=ragged,
             sizes=batch.sizes if ragged is not None else None,
             cached=batch.cached if ragged is not None else None,
-            heads=heads,
+            head_rows=heads,
         )
         ids, at = (tok, pos) if ragged is None else (tok.reshape(-1)[ragged][None], pos.reshape(-1)[ragged][None])
         out = self.model.model(
