@@ -107,6 +107,19 @@ def test_the_candidate_budget_follows_what_verifying_costs():
     assert dear.candidate_budget(64) < dear.candidate_budget(4) <= 64
 
 
+def test_a_step_that_writes_a_prompt_chunk_verifies_what_a_plain_step_would_not():
+    """Verifying costs 20 ms a token and nothing else: a node (worth < 1 token) never pays for its
+    token in a plain step, but a step that also writes 100 prompt tokens costs 2 s whatever it
+    verifies, so there the same node pays, and rows may be drafted deeper."""
+    alloc = BatchAllocator(lambda rows, t: 0.02 * rows * np.asarray(t, dtype=float), max_budget=64)
+    scores = [np.array([0.5, 0.4]), np.array([0.5])]
+    plain = alloc.allocate([1, 2], np.array([True, True]), scores)
+    chunk = alloc.allocate([1, 2], np.array([True, True]), scores, prefill=100)
+    assert plain.counts.tolist() == [0, 0] and chunk.counts.tolist() == [2, 1]
+    assert alloc.prefill_seconds(2, 100) == pytest.approx(2.0) and alloc.prefill_seconds(2, 0) == 0.0
+    assert alloc.candidate_budget(2, prefill=100) > alloc.candidate_budget(2)
+
+
 def test_measured_costs_correct_the_profile_and_predicted_rates_are_reported():
     alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
     before = float(alloc.step_seconds(4, np.array([8]))[0])

@@ -83,7 +83,11 @@ class DecodeStep:
         t0 = time.perf_counter()
         allocator = eng.allocator if eng.drafting is not None else None
         if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
-            budget = allocator.candidate_budget(B) if allocator.drafts(B) else 0
+            budget = (
+                allocator.candidate_budget(B, prefill.tokens if prefill is not None else 0)
+                if allocator.drafts(B)
+                else 0
+            )
         else:
             budget = eng.planner.budget(B) if eng.drafting is not None else 0
         cap = budget
@@ -102,7 +106,9 @@ class DecodeStep:
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
         allocation = scores = None
         if allocator is not None and drafts is not None:
-            drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use, budgets)
+            drafts, use, budgets, allocation, scores = self._allocate(
+                reqs, greedy, drafts, use, budgets, prefill.tokens if prefill is not None else 0
+            )
             budget = int(budgets.max()) if budgets.size else 0
             if not budget:
                 drafts, use, proposals = None, None, None
@@ -123,12 +129,15 @@ class DecodeStep:
         plan.times["prepared"] = time.perf_counter()
         return plan
 
-    def _allocate(self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray):
+    def _allocate(
+        self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray, prefill: int
+    ):
         """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
         its tree, at most its budget, and short enough that every row's padded tree stays inside
         its KV slot (rows are padded to the largest tree). A row with L tokens left before
         max_tokens emits at most L this step (its bonus token among them), so its candidates stop
-        before its first node deeper than L - 1: verifying it could never count. Returns the cut
+        before its first node deeper than L - 1: verifying it could never count. `prefill`: prompt
+        tokens the same pass writes (they make verifying cheaper against the step). Returns the cut
         drafts, the rows that keep a draft, nodes per row, the allocation, and the verified nodes'
         scores per row."""
         B = len(reqs)
@@ -143,7 +152,7 @@ class DecodeStep:
         empty = np.zeros(0, dtype=np.float32)
         cands = [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
         allocation = self.engine.allocator.allocate(
-            [r.id for r in reqs], greedy, cands, cached=int(sum(r.cached for r in reqs))
+            [r.id for r in reqs], greedy, cands, cached=int(sum(r.cached for r in reqs)), prefill=prefill
         )
         counts = np.where(use, allocation.counts, 0).astype(np.int32)
         if not counts.any() and allocation.candidates:

@@ -306,6 +306,14 @@ class BatchAllocator:
         per_row = (batch + drafted) / batch
         return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
 
+    def prefill_seconds(self, batch: int, tokens: int, cached: int | None = None) -> float:
+        """What `tokens` prompt tokens add to a pass of B rows: priced as that many more verified
+        tokens (the linear layers; their attention is left out, so this errs low)."""
+        if tokens <= 0:
+            return 0.0
+        both = self.forward_seconds(batch, np.array([0.0, float(tokens)]), cached)
+        return max(float(both[1] - both[0]), 0.0)
+
     def _fit(self, batch: int) -> ForwardFit:
         """The bucket's measured forward fit, its prior slope the profile's at this batch size."""
         key = self.bucket(batch)
@@ -353,26 +361,39 @@ class BatchAllocator:
             self._since[key] = 0
         return True
 
-    def candidate_budget(self, batch: int) -> int:
+    def candidate_budget(self, batch: int, prefill: int = 0) -> int:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
-        certain to be accepted stop paying (so rows need not be drafted deeper)."""
-        if batch not in self._caps:
+        certain to be accepted stop paying (so rows need not be drafted deeper); with `prefill`
+        prompt tokens in the same pass, deeper."""
+        if prefill > 0 or batch not in self._caps:
             ks = np.arange(self.max_budget * batch + 1)
-            rate = (batch + ks) / (self.forward_seconds(batch, ks) + self._overhead.get(self.bucket(batch), 0.0))
-            self._caps[batch] = int(min(self.max_budget, np.argmax(rate)))
+            fixed = self._overhead.get(self.bucket(batch), 0.0) + self.prefill_seconds(batch, prefill)
+            rate = (batch + ks) / (self.forward_seconds(batch, ks) + fixed)
+            cap = int(min(self.max_budget, np.argmax(rate)))
+            if prefill > 0:
+                return cap
+            self._caps[batch] = cap
         return self._caps[batch]
 
     def allocate(
-        self, ids: Sequence[int], greedy: np.ndarray, scores: list[np.ndarray], cached: int | None = None
+        self,
+        ids: Sequence[int],
+        greedy: np.ndarray,
+        scores: list[np.ndarray],
+        cached: int | None = None,
+        prefill: int = 0,
     ) -> Allocation:
         """Nodes to verify per row, from each row's candidate tree's scores (in tree order; an
         empty array for a row that does not speculate); `cached`: the rows' cached positions,
-        summed (None: as the bucket's recent steps)."""
+        summed (None: as the bucket's recent steps); `prefill`: prompt tokens the same pass writes
+        (a step that carries a prompt chunk costs more whatever it verifies, so its draft nodes
+        cost a smaller share of it: such steps verify more)."""
         B = len(ids)
         gammas = self.acceptance.gammas(ids, greedy)
         ratio = self._ratio.get(self.bucket(B), 1.0)
         values = [ratio * self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
-        cost = lambda ks: self.step_seconds(B, ks, cached)  # noqa: E731
+        chunk = self.prefill_seconds(B, prefill, cached)
+        cost = lambda ks: self.step_seconds(B, ks, cached) + chunk  # noqa: E731
         counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
         self.steps += 1
