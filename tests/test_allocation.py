@@ -109,14 +109,17 @@ def test_the_candidate_budget_follows_what_verifying_costs():
 
 def test_a_step_that_writes_a_prompt_chunk_verifies_what_a_plain_step_would_not():
     """Verifying costs 20 ms a token and nothing else: a node (worth < 1 token) never pays for its
-    token in a plain step, but a step that also writes 100 prompt tokens costs 2 s whatever it
-    verifies, so there the same node pays, and rows may be drafted deeper."""
+    token in a plain step, but once a pass that also wrote 100 prompt tokens measured 2 s more, a
+    step that writes a chunk costs that whatever it verifies, so there the same node pays, and rows
+    may be drafted deeper. Before any such pass was measured, nothing is drafted on a guess."""
     alloc = BatchAllocator(lambda rows, t: 0.02 * rows * np.asarray(t, dtype=float), max_budget=64)
     scores = [np.array([0.5, 0.4]), np.array([0.5])]
     plain = alloc.allocate([1, 2], np.array([True, True]), scores)
+    assert alloc.allocate([1, 2], np.array([True, True]), scores, prefill=100).counts.tolist() == [0, 0]
+    alloc.observe_prefill(2, 0, 0, 100, 0.04 + 2.0)  # the plain pass of 2 rows: 40 ms
+    assert alloc.prefill_seconds(2, 100) == pytest.approx(2.0) and alloc.prefill_seconds(2, 0) == 0.0
     chunk = alloc.allocate([1, 2], np.array([True, True]), scores, prefill=100)
     assert plain.counts.tolist() == [0, 0] and chunk.counts.tolist() == [2, 1]
-    assert alloc.prefill_seconds(2, 100) == pytest.approx(2.0) and alloc.prefill_seconds(2, 0) == 0.0
     assert alloc.candidate_budget(2, prefill=100) > alloc.candidate_budget(2)
 
 

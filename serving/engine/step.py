@@ -475,7 +475,10 @@ class DecodeStep:
         seconds = time.perf_counter() - plan.started
         if plan.prefill is not None:
             # the pass also wrote a prompt chunk: its times are no decode step's, so the cost models
-            # do not see them (only how the drafts' worth compared with what they gave)
+            # do not see them (only what the chunk added, and how the drafts' worth compared with
+            # what they gave)
+            if eng.allocator is not None:
+                eng.allocator.observe_prefill(B, int(plan.budgets.sum()), plan.cached, plan.prefill.tokens, t_forward)
             if plan.allocation is not None:
                 a = plan.allocation
                 eng.allocator.observe(

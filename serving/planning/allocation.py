@@ -266,6 +266,7 @@ class BatchAllocator:
         self._plain: dict[int, float] = {}  # batch bucket -> measured seconds of a plain step
         self._gain: dict[int, float] = {}  # batch bucket -> best predicted rate over plain's (mean)
         self._probe: dict[int, int] = {}  # batch bucket -> steps between probes while drafting loses
+        self._prefill_rate: dict[int, float] = {}  # batch bucket -> seconds per prompt token a decode pass writes
         self._since: dict[int, int] = {}  # batch bucket -> steps since its last probe
         self._turn: dict[int, int] = {}
         self._plain_rows: dict[int, float] = {}  # the rows of the measured plain steps (mean)
@@ -307,12 +308,22 @@ class BatchAllocator:
         return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
 
     def prefill_seconds(self, batch: int, tokens: int, cached: int | None = None) -> float:
-        """What `tokens` prompt tokens add to a pass of B rows: priced as that many more verified
-        tokens (the linear layers; their attention is left out, so this errs low)."""
-        if tokens <= 0:
-            return 0.0
-        both = self.forward_seconds(batch, np.array([0.0, float(tokens)]), cached)
-        return max(float(both[1] - both[0]), 0.0)
+        """What `tokens` prompt tokens add to a pass of B rows, as measured per prompt token in the
+        bucket's passes that wrote a chunk (observe_prefill); 0 before any was measured (nothing
+        is drafted on a guess of it)."""
+        rate = self._prefill_rate.get(self.bucket(batch))
+        return 0.0 if rate is None or tokens <= 0 else rate * tokens
+
+    def observe_prefill(self, batch: int, drafted: int, cached: int, tokens: int, forward_seconds: float) -> None:
+        """A pass of B rows verifying `drafted` nodes over `cached` positions that also wrote `tokens`
+        prompt tokens: what it took beyond the predicted decode pass, per prompt token."""
+        if tokens <= 0 or forward_seconds <= 0:
+            return
+        key = self.bucket(batch)
+        base = float(np.asarray(self.forward_seconds(batch, np.array([float(drafted)]), cached))[0])
+        rate = max(forward_seconds - base, 0.0) / tokens
+        old = self._prefill_rate.get(key)
+        self._prefill_rate[key] = rate if old is None else self.DECAY * old + (1 - self.DECAY) * rate
 
     def _fit(self, batch: int) -> ForwardFit:
         """The bucket's measured forward fit, its prior slope the profile's at this batch size."""
@@ -490,6 +501,10 @@ class BatchAllocator:
                     "plain_step_ms": round(1e3 * self._plain[k], 2) if k in self._plain else None,
                     "gain_over_plain": round(self._gain[k], 3) if k in self._gain else None,
                     "probe_every": self._probe.get(k, self.PROBE_EVERY) if self._losing(k) else None,
+                    # what a prompt token written by a decode pass added to it (measured)
+                    "prefill_ms_per_token": (
+                        round(1e3 * self._prefill_rate[k], 3) if k in self._prefill_rate else None
+                    ),
                     "predicted_tokens_per_s": round(self.rates[k][0], 2) if k in self.rates else None,
                     "measured_tokens_per_s": round(self.rates[k][1], 2) if k in self.rates else None,
                     # a speculative step's tokens and milliseconds: predicted, measured
