@@ -287,3 +287,12 @@ def test_a_decode_pass_that_writes_prompt_chunks_computes_what_two_passes_do(lla
     for i in range(chunk_rows):
         end = int(chunks.cached[i] + chunks.sizes[i])
         torch.testing.assert_close(after[:, :, rows + i, :, :end], apart.pool.kv[:, :, rows + i, :, :end])
+
+
+def test_prompt_chunks_ride_in_decode_passes_only_where_attention_splits_them_off(llama):
+    be = TorchBackend(llama, slots=2, capacity=32)
+    assert be.fuses_prefill  # a CPU, ragged passes
+    be.fold_attention = True  # folded heads (CUDA's default) attend padded rows
+    assert not be.fuses_prefill
+    be.fold_attention, be.ragged = None, False
+    assert not be.fuses_prefill

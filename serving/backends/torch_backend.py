@@ -211,6 +211,7 @@ class TorchBackend(VerifierBackend):
             },
         )
         self._softcap = getattr(text, "final_logit_softcapping", None)
+        self._attention_softcap = getattr(text, "attn_logit_softcapping", None)
         #: grouped-query heads folded along the queries (attention.folded_attention); None: on CUDA
         self.fold_attention: bool | None = None
         #: trees of unequal size run ragged: every linear layer over the real tokens only, so a pass
@@ -361,9 +362,13 @@ class TorchBackend(VerifierBackend):
 
     @property
     def fuses_prefill(self) -> bool:
-        """Prompt chunks ride in decode passes where passes run ragged (padded, a decode step's
-        trees would all be as long as the chunk)."""
-        return self.ragged
+        """Prompt chunks ride in decode passes where passes run ragged and attention splits them off
+        (padded, as with folded heads on CUDA or soft-capped attention, every tree row would be as
+        long as the chunk)."""
+        folded = self.fold_attention
+        if folded is None:
+            folded = self.device.type == "cuda" and attention.cuda_mode() == "folded"
+        return self.ragged and not folded and not self._attention_softcap
 
     def hidden_states(self, rows: slice, batch: TreeBatch) -> torch.Tensor:
         """Final hidden states [B, T, hidden] of one pass over slots `rows`, writing its K/V.
