@@ -81,13 +81,10 @@ class DecodeStep:
         eng = self.engine
         B = len(reqs)
         t0 = time.perf_counter()
+        chunk_tokens = prefill.tokens if prefill is not None else 0
         allocator = eng.allocator if eng.drafting is not None else None
         if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
-            budget = (
-                allocator.candidate_budget(B, prefill.tokens if prefill is not None else 0)
-                if allocator.drafts(B)
-                else 0
-            )
+            budget = allocator.candidate_budget(B, chunk_tokens) if allocator.drafts(B) else 0
         else:
             budget = eng.planner.budget(B) if eng.drafting is not None else 0
         cap = budget
@@ -106,9 +103,7 @@ class DecodeStep:
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
         allocation = scores = None
         if allocator is not None and drafts is not None:
-            drafts, use, budgets, allocation, scores = self._allocate(
-                reqs, greedy, drafts, use, budgets, prefill.tokens if prefill is not None else 0
-            )
+            drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use, budgets, chunk_tokens)
             budget = int(budgets.max()) if budgets.size else 0
             if not budget:
                 drafts, use, proposals = None, None, None

@@ -307,7 +307,7 @@ class BatchAllocator:
         per_row = (batch + drafted) / batch
         return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
 
-    def prefill_seconds(self, batch: int, tokens: int, cached: int | None = None) -> float:
+    def prefill_seconds(self, batch: int, tokens: int) -> float:
         """What `tokens` prompt tokens add to a pass of B rows, as measured per prompt token in the
         bucket's passes that wrote a chunk (observe_prefill); 0 before any was measured (nothing
         is drafted on a guess of it)."""
@@ -376,12 +376,13 @@ class BatchAllocator:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
         certain to be accepted stop paying (so rows need not be drafted deeper); with `prefill`
         prompt tokens in the same pass, deeper."""
-        if prefill > 0 or batch not in self._caps:
+        chunk = self.prefill_seconds(batch, prefill)
+        if chunk or batch not in self._caps:
             ks = np.arange(self.max_budget * batch + 1)
-            fixed = self._overhead.get(self.bucket(batch), 0.0) + self.prefill_seconds(batch, prefill)
+            fixed = self._overhead.get(self.bucket(batch), 0.0) + chunk
             rate = (batch + ks) / (self.forward_seconds(batch, ks) + fixed)
             cap = int(min(self.max_budget, np.argmax(rate)))
-            if prefill > 0:
+            if chunk:  # this step's own: not the bucket's
                 return cap
             self._caps[batch] = cap
         return self._caps[batch]
@@ -403,7 +404,7 @@ class BatchAllocator:
         gammas = self.acceptance.gammas(ids, greedy)
         ratio = self._ratio.get(self.bucket(B), 1.0)
         values = [ratio * self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
-        chunk = self.prefill_seconds(B, prefill, cached)
+        chunk = self.prefill_seconds(B, prefill)
         cost = lambda ks: self.step_seconds(B, ks, cached) + chunk  # noqa: E731
         counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
