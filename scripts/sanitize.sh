@@ -103,7 +103,7 @@ import sys, sssd._core as c
 assert c.__file__.startswith(sys.argv[1]), f"not the sanitized core: {c.__file__}"
 print("sssd._core:", c.__file__)' "$pkg" || rc=1
 tests=(test_suffix_array.py test_request_trie.py test_copy_source.py test_tree.py test_merge.py test_datastore.py test_datastore_fuzz.py
-       test_drafter.py)
+       test_drafter.py test_source_evidence.py)
 LD_PRELOAD="$preload" "$py" -m pytest -q -p no:cacheprovider --rootdir="$root" \
   "${tests[@]/#/$root/tests/}" "$@" || rc=1
 cd "$root"

@@ -206,6 +206,7 @@ class Drafter:
         budgets: int | Sequence[int] | np.ndarray | None = None,
         external: DraftBatch | dict | None = None,
         config: DrafterConfig | None = None,
+        source_factors: np.ndarray | None = None,
     ) -> DraftBatch:
         """Drafts one tree per request, in one parallel call.
 
@@ -224,6 +225,9 @@ class Drafter:
             config: retrieval parameters and discounts for this call instead of the
                 drafter's own (e.g. the calibration entry of this step's budget); its
                 input source may be no deeper than the drafter's (``params_for``).
+            source_factors: [B, MAX_SOURCES, 2] float32, per request and source tag (scale, level):
+                that request's candidates from that source rank at priority * scale * level**(depth - 1)
+                (a request's measured acceptance by source: sssd.source_evidence). None: all 1.
 
         Raises:
             KeyError: an id is not open. ValueError: a budget is out of range, or
@@ -271,7 +275,7 @@ class Drafter:
                 "probs": np.ascontiguousarray(external.draft_probs, dtype=np.float32),
             }
         params = None if config is None or config == self.config else self.params_for(config)
-        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext, params))
+        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext, params, source_factors))
 
     def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:
         """Drafts once for a token prefix without opening a request."""
@@ -372,7 +376,12 @@ def _tokenizer_of(drafter: Drafter, spec: Any = None):
 
 
 def draft_with_entries(
-    drafter: Drafter, entries: dict[int, DrafterConfig], ids: np.ndarray, budgets: np.ndarray, external: Any = None
+    drafter: Drafter,
+    entries: dict[int, DrafterConfig],
+    ids: np.ndarray,
+    budgets: np.ndarray,
+    external: Any = None,
+    source_factors: np.ndarray | None = None,
 ) -> DraftBatch:
     """One DraftBatch for a batch, each request drafted with the entry of its budget (the largest
     entry budget <= it, the smallest below them all: sssd.calibration_file.select_entry).
@@ -384,16 +393,22 @@ def draft_with_entries(
     Args:
         drafter: a Drafter built with ``sssd.calibration_file.drafter_config_for(entries)``.
         entries: increasing budget -> DrafterConfig (a calibration file's: sssd.calibration_file.entries_of).
-        ids, budgets: [B] request ids and int32 budgets; external: as ``Drafter.draft`` takes it.
+        ids, budgets: [B] request ids and int32 budgets; external, source_factors: as ``Drafter.draft`` takes them.
     """
     keys = list(entries)
     which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
     groups = np.unique(which[budgets > 0])
     if len(groups) <= 1:
         g = int(groups[0]) if len(groups) else len(keys) - 1
-        return drafter.draft(ids, budgets, external, config=entries[keys[g]])
+        return drafter.draft(ids, budgets, external, config=entries[keys[g]], source_factors=source_factors)
     parts = [
-        drafter.draft(ids, np.where(which == g, budgets, 0).astype(np.int32), external, config=entries[keys[g]])
+        drafter.draft(
+            ids,
+            np.where(which == g, budgets, 0).astype(np.int32),
+            external,
+            config=entries[keys[g]],
+            source_factors=source_factors,
+        )
         for g in groups
     ]
     return _merge_batches(parts)

@@ -31,6 +31,7 @@ from sssd.draft_source import (  # noqa: F401  (the interface, importable from h
     parse_specs,
 )
 from sssd.drafter import Drafter, draft_with_entries, resolve_datastore
+from sssd.source_evidence import DEFAULT_EVIDENCE, EvidenceSettings, SourceEvidence
 
 log = logging.getLogger("sssd.drafting")
 
@@ -70,9 +71,18 @@ class DraftPipeline:
         config: the DrafterConfig (retrieval parameters and discounts), or a CalibrationFile:
             each step drafts with the entry of its budget (sssd.calibration_file).
         vocab_size: the target's vocabulary (candidate ids must be below it).
+        evidence: how each request's own acceptance by source corrects its sources' scores
+            (sssd.source_evidence); None: every request drafts with the calibration's scores alone.
     """
 
-    def __init__(self, sources: Sequence[Any], config: Any, vocab_size: int | None = None, deferral: Any = None):
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        config: Any,
+        vocab_size: int | None = None,
+        deferral: Any = None,
+        evidence: EvidenceSettings | None = DEFAULT_EVIDENCE,
+    ):
         self.vocab_size = vocab_size
         self.external: list[DraftSource] = [s for s in sources if isinstance(s, DraftSource)]
         retrieval = [s for s in sources if isinstance(s, RetrievalSource)]
@@ -107,6 +117,8 @@ class DraftPipeline:
         #: when sources that defer to retrieval draft: the engine's measured policy
         #: (sssd.serving.planning.deferral.Deferral), or always (AlwaysDraft) without one
         self.deferral = deferral if deferral is not None else AlwaysDraft()
+        #: each request's own acceptance by source, correcting the merge's scores for it (None: off)
+        self.evidence = SourceEvidence(evidence) if evidence is not None else None
 
     @property
     def defers(self) -> bool:
@@ -124,11 +136,15 @@ class DraftPipeline:
 
     def open(self, request_id: int, prompt: np.ndarray) -> None:
         self.drafter.open(request_id, prompt)
+        if self.evidence is not None:
+            self.evidence.open(request_id, len(prompt))
         for i, s in enumerate(self.external):
             self._call(i, s.open, request_id, prompt)
 
     def extend_batch(self, request_ids: Sequence[int], tokens: Sequence[np.ndarray]) -> None:
         self.drafter.extend_batch(request_ids, tokens)
+        if self.evidence is not None:
+            self.evidence.extended(request_ids, tokens)
         for i, s in enumerate(self.external):
             for rid, t in zip(request_ids, tokens):
                 if (i, rid) not in self._failed:
@@ -137,6 +153,8 @@ class DraftPipeline:
     def close(self, request_id: int) -> None:
         if request_id in self.drafter:
             self.drafter.close(request_id)
+        if self.evidence is not None:
+            self.evidence.close(request_id)
         for i, s in enumerate(self.external):
             self._call(i, s.close, request_id)
             self._failed.discard((i, request_id))
@@ -269,7 +287,8 @@ class DraftPipeline:
             return None
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
-        return draft_with_entries(self.drafter, self.entries, ids, budgets, None)
+        factors = self.evidence.factors(ids) if self.evidence is not None else None
+        return draft_with_entries(self.drafter, self.entries, ids, budgets, None, factors)
 
     def draft_with_proposals(
         self, requests: Sequence[DraftRequest], verified_next: bool = True
@@ -282,12 +301,13 @@ class DraftPipeline:
         asynchronous drafting): only such trees teach the deferral what retrieval's promises get."""
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int32, count=len(requests))
+        factors = self.evidence.factors(ids) if self.evidence is not None else None
         external = None
         per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
         alone = promised = None  # retrieval's own trees, and what each promises (for deferring sources)
         source_seconds = 0.0  # the deferring sources' drafting time
         if self.retrieval and any(s.defers_to_retrieval for s in self.external):
-            alone = draft_with_entries(self.drafter, self.entries, ids, budgets, None)
+            alone = draft_with_entries(self.drafter, self.entries, ids, budgets, None, factors)
             promised = np.zeros(len(requests))
             has = alone.sizes > 0
             if has.any():
@@ -316,7 +336,9 @@ class DraftPipeline:
                     if c is None:
                         continue
                     try:
-                        per_request[where[r.request_id]].append((2 + i, c.check(self.vocab_size)))
+                        per_request[where[r.request_id]].append(
+                            (2 + i, c if s.well_formed else c.check(self.vocab_size))
+                        )
                     except (ValueError, TypeError) as e:
                         log.warning(
                             "draft source %r proposed malformed candidates for request %s (%s); dropped",
@@ -330,8 +352,12 @@ class DraftPipeline:
                 requests, promised, retrieval_only=not any(per_request), alone=alone, source_seconds=source_seconds
             )
         if alone is not None and not any(per_request):
-            return alone, per_request  # nothing to merge beside retrieval's own trees
-        return draft_with_entries(self.drafter, self.entries, ids, budgets, external), per_request
+            batch = alone  # nothing to merge beside retrieval's own trees
+        else:
+            batch = draft_with_entries(self.drafter, self.entries, ids, budgets, external, factors)
+        if verified_next and self.evidence is not None:
+            self.evidence.drafted(ids, [len(r.tokens) for r in requests], batch, factors)
+        return batch, per_request
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:

@@ -156,6 +156,43 @@ def test_prompt_chunks_written_in_the_decode_pass_change_nothing(model, referenc
     assert plain == run(speculate=False)[0]
 
 
+def test_each_requests_acceptance_by_source_changes_drafts_not_outputs(model, reference):
+    """Each request's own measured acceptance by source (sssd.source_evidence) reweighs its sources
+    from its first steps on: greedy rows stay token-identical to plain decoding and sampled rows
+    identical under their seeds, with it and without it."""
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+
+    def run(**cfg):
+        eng = engine(model, max_running=4, **cfg)
+        ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        done, counted = {}, 0.0
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            ev = eng.drafting.evidence if eng.drafting is not None else None
+            if ev is not None:
+                counted += sum(float(ev.counts(i)[1].sum()) for i in ids if i in ev)
+        return [done[i] for i in ids], eng, counted
+
+    spec = dict(datastore=corpus_datastore(reference), budget=8)
+    plain, _, _ = run(speculate=False)
+    on, eng_on, counted = run(**spec)
+    off, eng_off, _ = run(source_evidence=False, **spec)
+    assert on == plain and off == plain
+    for o, r, sp in zip(on, reference, params):
+        if sp.temperature == 0:
+            assert o == r[:24]  # greedy rows: also Hugging Face's own
+    assert eng_off.drafting.evidence is None
+    assert counted > 0, "the requests' drafts should have been scored"
+    assert len(eng_on.drafting.evidence) == 0, "finished requests leave nothing behind"
+
+
 def test_stops_inside_an_accepted_run(model, reference):
     """A stop token, a stop string or max_tokens that fall inside a run of
     several accepted tokens end the output exactly where plain decoding does."""

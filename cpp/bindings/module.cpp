@@ -22,6 +22,7 @@
 #include "sssd/parent_tree.h"
 #include "sssd/recent_store.h"
 #include "sssd/request_trie.h"
+#include "sssd/source_evidence.h"
 #include "sssd/suffix_automaton.h"
 #include "sssd/suffix_sort.h"
 #include "sssd/tree_merger.h"
@@ -149,6 +150,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
   m.attr("SEPARATOR") = sssd::kSeparator;
   m.attr("MAX_TOKEN_ID") = sssd::kMaxTokenId;
   m.attr("MAX_BUDGET") = sssd::kMaxBudget;
+  m.attr("MAX_SOURCES") = sssd::kMaxSources;
   m.attr("FORMAT_VERSION") = sssd::kFormatVersion;
   m.attr("TOKENS_FILE") = sssd::kTokensFile;
   m.attr("SUFFIX_ARRAY_FILE") = sssd::kSuffixArrayFile;
@@ -357,6 +359,78 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def("memory_bytes", &sssd::RequestTrie::memory_bytes)
       .def("check_integrity", &sssd::RequestTrie::check_integrity);
 
+  py::class_<sssd::SourceEvidence>(m, "SourceEvidence")
+      .def(py::init([](double prior, double half_life, double level_floor, std::pair<float, float> scale_bounds,
+                       std::pair<float, float> level_bounds) {
+             return std::make_unique<sssd::SourceEvidence>(sssd::EvidenceSettings{
+                 prior, half_life, level_floor, scale_bounds.first, scale_bounds.second, level_bounds.first,
+                 level_bounds.second});
+           }),
+           "prior"_a = 2.0, "half_life"_a = 16.0, "level_floor"_a = 0.3, "scale_bounds"_a = std::make_pair(0.25f, 4.0f),
+           "level_bounds"_a = std::make_pair(0.5f, 1.5f),
+           "Each open request's acceptance by source and the merge's factors it gives (source_evidence.h).")
+      .def("open", [](sssd::SourceEvidence& e, py::handle rid, int64_t length) {
+        SSSD_CHECK_ARG(length >= 0, "length must be >= 0, got ", length);
+        e.open(request_id(rid), size_t(length));
+      }, "request_id"_a, "length"_a)
+      .def("close", [](sssd::SourceEvidence& e, py::handle rid) { e.close(request_id(rid)); }, "request_id"_a)
+      .def("__contains__", [](const sssd::SourceEvidence& e, py::handle rid) {
+        try {
+          return e.contains(request_id(rid));
+        } catch (const py::value_error&) {
+          return false;
+        }
+      })
+      .def("__len__", &sssd::SourceEvidence::size)
+      .def("counts", [](const sssd::SourceEvidence& e, py::handle rid) {
+        const auto c = e.counts(request_id(rid));
+        py::array_t<double> out({4, int(sssd::kMaxSources)});
+        std::copy(c.begin(), c.end(), out.mutable_data());
+        return out;
+      }, "request_id"_a, "[4, MAX_SOURCES]: observed, expected at depth 1; observed, expected deeper.")
+      .def("factors", [](const sssd::SourceEvidence& e, const py::array& ids) {
+        const RequestIds id_span(ids);
+        const size_t n = id_span.span().size();
+        py::array_t<float> out({py::ssize_t(n), py::ssize_t(sssd::kMaxSources), py::ssize_t(2)});
+        const std::span<float> o(out.mutable_data(), n * sssd::kMaxSources * 2);
+        {
+          py::gil_scoped_release release;
+          e.factors(id_span.span(), o);
+        }
+        return out;
+      }, "request_ids"_a, "[n, MAX_SOURCES, 2] float32: each request's (scale, level) per source (1: not open).")
+      .def("drafted", [](sssd::SourceEvidence& e, const py::array& ids, const py::array& lengths, py::dict batch,
+                         py::object factors) {
+        const RequestIds id_span(ids);
+        const auto len = borrow<int64_t>(lengths, "lengths");
+        const auto offsets = borrow<int64_t>(batch["offsets"].cast<py::array>(), "offsets");
+        const auto tokens = borrow<int64_t>(batch["tokens"].cast<py::array>(), "tokens");
+        const auto parents = borrow<int32_t>(batch["parents"].cast<py::array>(), "parents");
+        const auto depths = borrow<int32_t>(batch["depths"].cast<py::array>(), "depths");
+        const auto sources = borrow<uint8_t>(batch["sources"].cast<py::array>(), "sources");
+        const auto scores = borrow<float>(batch["scores"].cast<py::array>(), "scores");
+        std::optional<py::array_t<float, py::array::c_style | py::array::forcecast>> f;
+        std::span<const float> f_span;
+        if (!factors.is_none()) {
+          f = factors.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+          f_span = {f->data(), size_t(f->size())};
+        }
+        const sssd::DraftedTrees trees{offsets, tokens, parents, depths, sources, scores};
+        py::gil_scoped_release release;
+        e.drafted(id_span.span(), len, trees, f_span);
+      }, "request_ids"_a, "lengths"_a, "batch"_a, "factors"_a = py::none(),
+         "Keeps a draft call's trees (a dict of DraftBatch arrays: offsets, tokens, parents, depths, sources, "
+         "scores; drafted with `factors`, None: all 1) for requests whose contexts were `lengths` long.")
+      .def("extended", [](sssd::SourceEvidence& e, const py::array& ids, const py::array& offsets,
+                          const py::array& tokens) {
+        const RequestIds id_span(ids);
+        const auto off = borrow<int64_t>(offsets, "offsets");
+        const Tokens t(tokens, "tokens");
+        py::gil_scoped_release release;
+        e.extended(id_span.span(), off, t.span());
+      }, "request_ids"_a, "offsets"_a, "tokens"_a,
+         "The requests' next tokens (CSR): each kept tree drafted at this context is scored by them.");
+
   py::class_<sssd::RecentStore>(m, "RecentStore")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>(), "capacity"_a,
            "max_match"_a = 8, "min_match"_a = 2, "max_matches"_a = 16, "depth"_a = 64, "max_chain"_a = 64,
@@ -532,7 +606,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       .def("request_memory", [](const sssd::Drafter& d, py::handle rid) { return d.request_memory(request_id(rid)); },
            "request_id"_a)
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
-                       py::object external, const sssd::DrafterParams* params) {
+                       py::object external, const sssd::DrafterParams* params, py::object source_factors) {
         const RequestIds id_span(ids);
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
         // The holders own copies of misaligned arrays: they outlive `ext`.
@@ -560,15 +634,35 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                                     ext_q ? std::span<const float>(*ext_q) : std::span<const float>{},
                                     ext_sources ? std::span<const uint8_t>(*ext_sources) : std::span<const uint8_t>{}};
         }
+        // [n, kMaxSources, 2] float32: per request and source tag, (scale, level).
+        std::vector<float> factor_scale, factor_level;
+        std::optional<sssd::SourceFactors> factors;
+        if (!source_factors.is_none()) {
+          using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
+          const Floats arr = source_factors.cast<Floats>();  // a copy where needed
+          const size_t n = id_span.span().size();
+          SSSD_CHECK_ARG(arr.ndim() == 3 && size_t(arr.shape(0)) == n && arr.shape(1) == sssd::kMaxSources &&
+                             arr.shape(2) == 2,
+                         "source_factors must have shape (", n, ", ", sssd::kMaxSources, ", 2)");
+          const float* f = arr.data();
+          factor_scale.resize(n * sssd::kMaxSources);
+          factor_level.resize(n * sssd::kMaxSources);
+          for (size_t i = 0; i < factor_scale.size(); ++i) {
+            factor_scale[i] = f[2 * i];
+            factor_level[i] = f[2 * i + 1];
+          }
+          factors = sssd::SourceFactors{factor_scale, factor_level};
+        }
         sssd::DraftBatch batch;
         {
           py::gil_scoped_release release;
           std::vector<sssd::DraftTree> trees;
-          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr, params);
+          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr, params, factors ? &*factors : nullptr);
           batch = sssd::concat(trees);
         }
         return draft_batch_to_dict(std::move(batch));
-      }, "request_ids"_a, "budgets"_a, "external"_a = py::none(), "params"_a = py::none())
+      }, "request_ids"_a, "budgets"_a, "external"_a = py::none(), "params"_a = py::none(),
+         "source_factors"_a = py::none())
       .def("check_compatible", &sssd::Drafter::check_compatible, "params"_a)
       .def("draft_context", [](const sssd::Drafter& d, const py::array& context, int budget) {
         const Tokens c(context, "prefix");

@@ -195,8 +195,8 @@ void Drafter::check_compatible(const DrafterParams& p) const {
 }
 
 void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
-                          const ExternalTrees* external, size_t begin, size_t end, Scratch& s,
-                          DraftTree* out) const {
+                          const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
+                          Scratch& s, DraftTree* out) const {
   // The group's datastore queries run interleaved, then each request merges.
   const bool use_ds = p.use_datastore && datastore_;
   s.queries.clear();
@@ -207,14 +207,14 @@ void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* trie
   run_interleaved(std::span<Task<QueryStats>>(s.queries));
   for (size_t b = begin; b < end; ++b) {
     const QueryStats qs = use_ds ? s.queries[b - begin].result() : QueryStats{};
-    draft_one(p, *tries[b], budgets[b], external, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs, s,
-              out[b]);
+    draft_one(p, *tries[b], budgets[b], external, factors, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs,
+              s, out[b]);
   }
 }
 
 void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-                        size_t b, ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& s,
-                        DraftTree& out) const {
+                        const SourceFactors* factors, size_t b, ContinuationTree* datastore_tree,
+                        const QueryStats& qs, Scratch& s, DraftTree& out) const {
   s.trees.clear();
   if (budget > 0) {
     const std::span<const token_t> context = trie.tokens();
@@ -233,6 +233,13 @@ void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int bud
       add_copy(p, trie.copy(), context, s);
     }
     if (external) add_external(*external, b, s);
+    if (factors) {
+      const size_t row = b * size_t(kMaxSources);
+      for (SourceTree& t : s.trees) {
+        t.scale *= double(factors->scale[row + size_t(t.source)]);
+        t.level *= double(factors->level[row + size_t(t.source)]);
+      }
+    }
   }
   s.merger.merge(s.trees, p.scores, budget, out);
 }
@@ -319,7 +326,8 @@ void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) 
 }
 
 void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
-                    std::vector<DraftTree>& out, const ExternalTrees* external, const DrafterParams* params) const {
+                    std::vector<DraftTree>& out, const ExternalTrees* external, const DrafterParams* params,
+                    const SourceFactors* factors) const {
   const size_t n = ids.size();
   if (params) check_compatible(*params);
   const DrafterParams& p = params ? *params : params_;
@@ -364,6 +372,17 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     check_tokens(external->tokens, "external tokens");
   }
 
+  if (factors) {
+    const size_t cells = n * size_t(kMaxSources);
+    SSSD_CHECK_ARG(factors->scale.size() == cells && factors->level.size() == cells, "source factors must have ", n,
+                   " x ", kMaxSources, " entries each, got ", factors->scale.size(), " and ", factors->level.size());
+    for (size_t i = 0; i < cells; ++i) {
+      const float a = factors->scale[i], l = factors->level[i];
+      SSSD_CHECK_ARG(std::isfinite(a) && a >= 0 && std::isfinite(l) && l >= 0, "source factors[", i / kMaxSources,
+                     ", ", i % kMaxSources, "] = (", a, ", ", l, ") must be finite and >= 0");
+    }
+  }
+
   std::shared_lock lock(mu_);
   std::vector<const RequestTrie*> tries(n);
   for (size_t b = 0; b < n; ++b) {
@@ -388,8 +407,8 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
 #pragma omp for schedule(dynamic, 1)
     for (size_t g = 0; g < groups; ++g) {
       capture.run([&] {
-        draft_group(p, tries.data(), budgets.data(), external, g * kInterleave, std::min(n, (g + 1) * kInterleave),
-                    *scratch, out.data());
+        draft_group(p, tries.data(), budgets.data(), external, factors, g * kInterleave,
+                    std::min(n, (g + 1) * kInterleave), *scratch, out.data());
       });
     }
   }
@@ -459,7 +478,7 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
     trie->extend(context);
     Scratch scratch;
     const RequestTrie* tries[1] = {trie.get()};
-    draft_group(p, tries, &budget, nullptr, 0, 1, scratch, &out);
+    draft_group(p, tries, &budget, nullptr, nullptr, 0, 1, scratch, &out);
     return out;
   }
   // One call's buffers, reused by the thread's next call.

@@ -24,8 +24,9 @@ void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node,
     const double weight = t.nodes[c].weight;
     if (!(weight > 0)) continue;
     const double prob = weight / t.total;
-    const double priority = t.scale * (t.depth_rate > 0 ? prob * std::pow(t.depth_rate, depth)
-                                                        : table.priority(t.source, t.match_len, depth, prob));
+    double priority = t.scale * (t.depth_rate > 0 ? prob * std::pow(t.depth_rate, depth)
+                                                  : table.priority(t.source, t.match_len, depth, prob));
+    if (t.level != 1) priority *= std::pow(t.level, depth - 1);
     siblings_.push_back({priority, prob, c, t.nodes[c].token});
   }
   const uint32_t end = uint32_t(siblings_.size());

@@ -33,6 +33,9 @@ class EngineConfig:
         fuse_prefill: write a step's prompt chunk in its decode pass where the backend can (one
             pass a step instead of two: a request that joins alone pays no pass of its own).
         speculate: draft and verify (False: plain decoding, same engine).
+        source_evidence: correct each request's draft sources by their measured acceptance on that
+            request (sssd.source_evidence: a request that copies other requests' answers trusts the
+            recent source more, the chat datastore less); False: the calibration's scores alone.
         budget: a fixed draft budget: every request drafts that many nodes with every listed
             source, whatever the cost models say. None lets the engine decide each step: with
             allocation "batch", one budget shared across the batch by expected acceptance
@@ -61,6 +64,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     fuse_prefill: bool = True
     speculate: bool = True
+    source_evidence: bool = True
     budget: int | None = None
     allocation: str = "batch"
     dtype: str = "float32"

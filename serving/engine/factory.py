@@ -15,6 +15,7 @@ from typing import Any
 import sssd
 from sssd.serving.engine.config import EngineConfig
 from sssd.serving.planning.deferral import Deferral
+from sssd.source_evidence import DEFAULT_EVIDENCE
 from sssd.sources import DraftPipeline, RetrievalSource, parse_specs
 
 
@@ -191,8 +192,13 @@ def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeli
     if not sources:
         return None
     eos = min(engine.eos_ids) if engine.eos_ids else None
+    evidence = DEFAULT_EVIDENCE if engine.config.source_evidence else None
     drafting = DraftPipeline(
-        sources, with_end_token(engine.drafter_configs, eos), vocab_size=info.vocab_size, deferral=Deferral()
+        sources,
+        with_end_token(engine.drafter_configs, eos),
+        vocab_size=info.vocab_size,
+        deferral=Deferral(),
+        evidence=evidence,
     )
     ds = drafting.datastore
     if ds is not None:
@@ -208,7 +214,9 @@ def build_drafting(engine, draft, datastores: list, drafter: Any) -> DraftPipeli
         sources = [
             RetrievalSource(ds, checked, **s.overrides) if isinstance(s, RetrievalSource) else s for s in sources
         ]
-        drafting = DraftPipeline(sources, with_end_token(checked, eos), vocab_size=info.vocab_size, deferral=Deferral())
+        drafting = DraftPipeline(
+            sources, with_end_token(checked, eos), vocab_size=info.vocab_size, deferral=Deferral(), evidence=evidence
+        )
     if ds is not None:  # fault the mmap in now: cold pages cost milliseconds per draft
         ds.make_resident(engine.config.datastore_residency)
     from sssd.datastore_source import add_datastore

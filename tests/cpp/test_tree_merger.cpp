@@ -49,7 +49,9 @@ std::vector<RefNode> reference_merge(const std::vector<SourceTree>& trees, const
     for (uint32_t c = t.nodes[node].first_child; c != kNoNode; c = t.nodes[c].next_sibling) {
       const double w = t.nodes[c].weight;
       if (!(w > 0)) continue;
-      cands.push_back({table.priority(t.source, t.match_len, depth, w / t.total), depth, ti, t.nodes[c].token, parent, c});
+      double priority = t.scale * table.priority(t.source, t.match_len, depth, w / t.total);
+      if (t.level != 1) priority *= std::pow(t.level, depth - 1);  // a request's per-source correction
+      cands.push_back({priority, depth, ti, t.nodes[c].token, parent, c});
     }
   };
   for (uint32_t i = 0; i < trees.size(); ++i) {
@@ -99,6 +101,10 @@ TEST(TreeMerger, MatchesTheNaiveAlgorithm1) {
       owned[size_t(i)] = random_tree(rng);
       SourceTree v = owned[size_t(i)].view(Source(i % kNumSources), i % (max_match + 1),
                                            std::uniform_int_distribution<int>(0, max_depth)(rng));
+      if (round % 2) {  // per-request source factors (Drafter::draft's SourceFactors)
+        v.scale = std::round(f(rng) * 8) / 4;
+        v.level = 0.5 + std::round(f(rng) * 4) / 4;
+      }
       views.push_back(v);
     }
     const int budget = std::uniform_int_distribution<int>(0, 30)(rng);

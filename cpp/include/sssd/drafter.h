@@ -63,6 +63,14 @@ struct ExternalTrees {
   std::span<const uint8_t> sources;  ///< per-node source tag; may be empty
 };
 
+/// Per-request corrections of each source's priorities (a request's own measured acceptance by
+/// source, sssd/source_evidence.py): request b's candidates from source tag s have their priority
+/// multiplied by scale[b * kMaxSources + s] * level[b * kMaxSources + s]^(depth - 1).
+struct SourceFactors {
+  std::span<const float> scale;  ///< [n * kMaxSources], finite and >= 0
+  std::span<const float> level;  ///< [n * kMaxSources], finite and >= 0
+};
+
 /// Validates drafter parameters; throws std::invalid_argument naming the field.
 void check_params(const DrafterParams& p);
 
@@ -97,12 +105,13 @@ class Drafter {
   /// `params`, if given, replaces the drafter's retrieval parameters and
   /// discounts for this call (e.g. the calibration entry of this step's
   /// budget); it must fit the request tries (check_compatible).
+  /// `factors`, if given, corrects each request's sources (SourceFactors).
   /// Throws UnknownRequest for an unknown id, std::invalid_argument for a
-  /// bad budget, incompatible params or a malformed external tree; `out` is
-  /// then unspecified.
+  /// bad budget, incompatible params, a malformed external tree or factors;
+  /// `out` is then unspecified.
   void draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
              std::vector<DraftTree>& out, const ExternalTrees* external = nullptr,
-             const DrafterParams* params = nullptr) const;
+             const DrafterParams* params = nullptr, const SourceFactors* factors = nullptr) const;
 
   /// Throws std::invalid_argument unless `p` can draft over this drafter's
   /// request tries: valid, the same vocabulary, the input source only if the
@@ -129,10 +138,11 @@ class Drafter {
   struct Scratch;
   void add_external(const ExternalTrees& external, size_t b, Scratch& s) const;
   void draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
-                   const ExternalTrees* external, size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
+                   const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
+                   Scratch& scratch, DraftTree* out) const;
   void draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-                 size_t b, ContinuationTree* datastore_tree, const QueryStats& qs, Scratch& scratch,
-                 DraftTree& out) const;
+                 const SourceFactors* factors, size_t b, ContinuationTree* datastore_tree, const QueryStats& qs,
+                 Scratch& scratch, DraftTree& out) const;
   static void add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
                        Scratch& scratch);
   std::unique_ptr<RequestTrie> make_trie() const;

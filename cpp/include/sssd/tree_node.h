@@ -44,6 +44,9 @@ struct SourceTree {
   /// Every priority of the tree is multiplied by this (where a confident copy makes the other
   /// sources' different guesses less likely: by the probability that the copy is wrong).
   double scale = 1;
+  /// Every priority of the tree is multiplied by level^(depth - 1): a request's measured
+  /// correction of how fast its source's candidates lose their odds along a path (1: none).
+  double level = 1;
 
   /// No continuations. (A lazy tree's root may look childless before it is
   /// expanded; its total decides.)
