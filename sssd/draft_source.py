@@ -201,12 +201,18 @@ class DraftSource(abc.ABC):
         observe_topk: how many of the target's likeliest next tokens per
             verified node the source observes (0: none; the backend then
             computes none for it).
+        well_formed: the source's candidates are int64 tokens of the requests' own
+            vocabulary (tokens it was given), int32 parents before their children and
+            float32 weights in [0, 1], without probs or dists, by construction (a C++
+            source): the pipeline skips their per-request check (Candidates.check), and
+            the merge still refuses a malformed batch as a whole.
     """
 
     name: str = "custom"
     discount: SourceDiscount = SourceDiscount()
     observe_topk: int = 0
     defers_to_retrieval: bool = False
+    well_formed: bool = False
 
     relative_cost: float = 0.0
 

@@ -113,7 +113,9 @@ class Drafter:
         params = self.config.native_params(vocab, self._external)
         self._native = _core.Drafter(self.datastore.native if self.datastore else None, params, self.config.num_threads)
         self._params: dict[DrafterConfig, Any] = {self.config: params}
+        self._own_params = params
         self._params_lock = threading.Lock()
+        self._last_params: tuple[DrafterConfig, Any] | None = None
 
     @property
     def num_threads(self) -> int:
@@ -189,9 +191,14 @@ class Drafter:
     def params_for(self, config: DrafterConfig) -> Any:
         """The native parameters of `config` for this drafter's requests (cached), or ValueError
         if they cannot draft over its request tries (a deeper input source, another vocabulary)."""
+        hit = self._last_params  # one config drafts most steps: found without hashing it
+        if hit is not None and hit[0] is config:
+            return hit[1]
         with self._params_lock:
             params = self._params.get(config)
-        if params is None:
+        if params is not None:
+            self._last_params = (config, params)
+        else:
             params = config.replace(vocab_size=self.config.vocab_size).native_params(self._vocab, self._external)
             self._native.check_compatible(params)
             with self._params_lock:
@@ -274,7 +281,9 @@ class Drafter:
                 "parents": np.ascontiguousarray(external.parents, dtype=np.int32),
                 "probs": np.ascontiguousarray(external.draft_probs, dtype=np.float32),
             }
-        params = None if config is None or config == self.config else self.params_for(config)
+        params = None if config is None or config is self.config else self.params_for(config)
+        if params is self._own_params:
+            params = None  # the drafter's own: nothing to check
         return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext, params, source_factors))
 
     def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:

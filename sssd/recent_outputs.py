@@ -82,6 +82,7 @@ class RecentOutputs(DraftSource):
 
     name = "recent"
     discount = SourceDiscount(scale=1.0, depth_decay=0.95)
+    well_formed = True  # its C++ store builds them from the tokens the requests were given
 
     def __init__(
         self,
