@@ -72,6 +72,7 @@ SSSD_CALIBRATED = "SSSD (calibrated)"
 SSSD_INPUT_ONLY = "SSSD input only"
 SSSD_DATASTORE_ONLY = "SSSD datastore only"
 SSSD_RECENT = "SSSD (calibrated) + recent"
+SSSD_RECENT_FIXED = "SSSD + recent, no per-request evidence"
 
 
 # -- data ---------------------------------------------------------------------
@@ -259,11 +260,13 @@ class PipelineDrafter:
     behind the replay interface: here retrieval and the other requests' recent outputs
     (sssd.RecentOutputs), which sees every request of the replay, running or finished."""
 
-    def __init__(self, datastore: sssd.Datastore, config: Any, threads: int):
+    def __init__(self, datastore: sssd.Datastore, config: Any, threads: int, evidence: bool = True):
         from sssd.recent_outputs import RecentOutputs
+        from sssd.source_evidence import DEFAULT_EVIDENCE
         from sssd.sources import DraftPipeline, RetrievalSource
 
-        self.pipeline = DraftPipeline([RetrievalSource(datastore, num_threads=threads), RecentOutputs()], config)
+        sources = [RetrievalSource(datastore, num_threads=threads), RecentOutputs()]
+        self.pipeline = DraftPipeline(sources, config, evidence=DEFAULT_EVIDENCE if evidence else None)
         self._ctx: dict[int, Any] = {}
 
     def open(self, request_id: int, prompt: Any) -> None:
@@ -411,6 +414,14 @@ def build_systems(datastore: sssd.Datastore, args, notes: list[str]) -> list[Sys
         calibrated = load_drafter(args.sssd_config)
         systems.append(
             System(SSSD_RECENT, [{}], lambda s, budget=None: PipelineDrafter(datastore, calibrated, threads), False)
+        )
+        systems.append(  # the same without each request's own acceptance by source (sssd.source_evidence)
+            System(
+                SSSD_RECENT_FIXED,
+                [{}],
+                lambda s, budget=None: PipelineDrafter(datastore, calibrated, threads, evidence=False),
+                False,
+            )
         )
     if not args.no_ablation:
         systems.append(sssd_system(SSSD_INPUT_ONLY, use_datastore=False))
