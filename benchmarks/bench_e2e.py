@@ -36,6 +36,8 @@ Usage:
   python benchmarks/bench_e2e.py --batch-sizes 1 4 16 --prompts 8 --max-tokens 128
   python benchmarks/bench_e2e.py --batch-sizes 1 4 --max-tokens 64 --no-hf \\
       --draft-sets retrieval recycle retrieval,recycle retrieval,recycle,recent
+  python benchmarks/bench_e2e.py --sets agent-traces code-edits mtbench --batch-sizes 1 4 --no-hf \
+      --max-model-len 3072 --draft-sets retrieval,recent retrieval,recent/no-evidence
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -195,7 +198,8 @@ def main() -> int:
         nargs="+",
         default=None,
         help="draft-source ablation: sets of sources to compare, each comma-separated "
-        "(e.g. retrieval recycle retrieval,recycle retrieval,recycle,recent)",
+        "(e.g. retrieval recycle retrieval,recycle retrieval,recycle,recent); a set ending in /no-evidence "
+        "drafts without each request's acceptance by source (EngineConfig.source_evidence=False)",
     )
     args = ap.parse_args()
     if len(args.datastores) == 1:
@@ -226,7 +230,12 @@ def main() -> int:
             print(f"{name}: draft-source ablation over {args.draft_sets}")
             ablation = {
                 d: LLMEngine(
-                    model, datastore=ds, drafter=args.drafter, draft=d, backend=spec.backend, config=spec.config
+                    model,
+                    datastore=ds,
+                    drafter=args.drafter,
+                    draft=d.removesuffix("/no-evidence"),
+                    backend=spec.backend,
+                    config=replace(spec.config, source_evidence=not d.endswith("/no-evidence")),
                 )
                 for d in args.draft_sets
             }
