@@ -72,7 +72,7 @@ SSSD_CALIBRATED = "SSSD (calibrated)"
 SSSD_INPUT_ONLY = "SSSD input only"
 SSSD_DATASTORE_ONLY = "SSSD datastore only"
 SSSD_RECENT = "SSSD (calibrated) + recent"
-SSSD_RECENT_FIXED = "SSSD + recent, no per-request evidence"
+SSSD_RECENT_FIXED = "SSSD + recent, no evidence"
 
 
 # -- data ---------------------------------------------------------------------
