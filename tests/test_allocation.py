@@ -12,6 +12,7 @@ import pytest
 from test_planner import linear_profile
 from tiny_models import tiny_model
 
+import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.factory import build_allocator
 from sssd.serving.engine.params import SamplingParams
@@ -222,12 +223,12 @@ def llama(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("alloc") / "llama", "llama")
 
 
-def engine(model, profile=None, **kw):
+def engine(model, profile=None, datastore=None, **kw):
     """An engine planning its budget under `profile` (one where speculation pays: this machine's
     profile of a tiny model may not, and measuring it would take the test's time)."""
     if profile is None:
-        return LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, **kw))
-    eng = LLMEngine(model, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, budget=64))
+        return LLMEngine(model, datastore=datastore, config=EngineConfig(max_running=4, max_model_len=400, **kw))
+    eng = LLMEngine(model, datastore=datastore, config=EngineConfig(max_running=4, max_model_len=400, budget=64))
     eng.config = dataclasses.replace(eng.config, budget=None)
     eng.planner = BudgetPlanner(None, {4: 1.7, 8: 1.9, 16: 2.05, 64: 2.3}, profile)
     eng.allocator = build_allocator(eng)
@@ -240,10 +241,15 @@ PROMPTS = [[5 + i, 9, 23, 7, 3, 40, 41, 42, 5 + i, 9, 23] for i in range(6)] + [
 
 
 def test_greedy_output_is_plain_output_and_rows_get_different_budgets(llama):
+    """Half the requests have their answers in the datastore (their drafts keep being right), the
+    other half draft from their own text and the others' outputs (the tiny model's, mostly wrong):
+    the outputs are plain decoding's, and the rows' budgets differ."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = LLMEngine(llama, datastore=None, config=EngineConfig(max_running=4, max_model_len=400, speculate=False))
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    spec = engine(llama, linear_profile(0.05, 0.0005))
+    known = [list(p) + list(w) + [int(sssd.SEPARATOR)] for p, w in zip(PROMPTS[::2], want[::2])]
+    store = sssd.Datastore.from_tokens(np.array([t for d in known for t in d], dtype=np.uint32))
+    spec = engine(llama, linear_profile(0.05, 0.0005), datastore=store)
     assert spec.allocator is not None and spec.config.budget is None
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == want
