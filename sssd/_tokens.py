@@ -6,7 +6,7 @@ names the argument and the first offending position.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -46,3 +46,13 @@ def as_tokens(values: Any, name: str = "tokens", *, allow_empty: bool = True) ->
     if not allow_empty and values.shape[0] == 0:
         raise ValueError(f"{name} is empty: drafting needs at least one token")
     return values
+
+
+def pack_tokens(tokens: Sequence[Any], name: str = "tokens") -> tuple[np.ndarray, np.ndarray]:
+    """One token list per request (each as ``as_tokens`` takes it) packed for one native call:
+    (offsets [n + 1] int64, the tokens concatenated); request b's are flat[offsets[b]:offsets[b + 1]]."""
+    parts = [as_tokens(t, f"{name}[{b}]") for b, t in enumerate(tokens)]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts)), out=offsets[1:])
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return offsets, flat

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from sssd import _core
-from sssd._tokens import as_tokens
+from sssd._tokens import as_tokens, pack_tokens
 from sssd.config import DrafterConfig
 from sssd.datastore import DEFAULT, Datastore
 from sssd.tokenizer import check_compatible, load_tokenizer
@@ -146,11 +146,7 @@ class Drafter:
         ids = _request_ids(request_ids)
         if len(tokens) != ids.shape[0]:
             raise ValueError(f"got {ids.shape[0]} request ids but {len(tokens)} token lists")
-        parts = [as_tokens(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
-        lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
-        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        offsets, flat = pack_tokens(tokens)
         self._native.extend_batch(ids, offsets, flat)
 
     def close(self, request_id: int) -> None:

@@ -48,6 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from sssd import _core
+from sssd._tokens import pack_tokens
 
 #: Source tags (the merge's score-table rows: datastore, input, external 2.., copy).
 MAX_SOURCES = int(_core.MAX_SOURCES)
@@ -137,10 +138,7 @@ class SourceEvidence:
 
     def extended(self, request_ids: Sequence[int] | np.ndarray, tokens: Sequence[np.ndarray]) -> None:
         """The requests' next tokens: each kept tree drafted at this context is scored by them."""
-        parts = [np.asarray(t, dtype=np.int64) for t in tokens]
-        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        offsets, flat = pack_tokens(tokens)
         self._native.extended(np.asarray(request_ids, dtype=np.int64), offsets, flat)
 
 
