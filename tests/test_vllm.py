@@ -112,6 +112,38 @@ def test_a_row_drafts_another_requests_answer_with_the_recent_source(monkeypatch
         assert out == answer[2:8]  # the first request's answer, followed to K
 
 
+@pytest.mark.parametrize("k", [1, 64])
+def test_odd_rows_get_correct_chains_or_none(monkeypatch, k):
+    """The issue's bad input, with the packaged datastore: K=1 and K=64, an empty row, a row whose
+    prompt is far longer than any datastore context (a 30-token period repeated to 6,000 tokens),
+    the smallest and largest token ids. Every chain has at most K tokens and continues its row's
+    text exactly where the text says what comes next; nothing raises."""
+    monkeypatch.setenv("SSSD_VLLM_DATASTORE", "default")
+    monkeypatch.setenv("SSSD_VLLM_MIN_SCORE", "0")
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(model=None, get_vocab_size=lambda: 49152),
+    )
+    prop = SSSDProposer(cfg)
+    monkeypatch.setattr(prop.cost, "observe", lambda tokens, seconds: False)  # priced by the prior
+    period = list(range(1000, 1030))
+    long = (period * 200)[:6000]
+    edge = [0, 49151, 0, 49151, 0, 49151, 0]
+    contexts = [[], long, edge, [7]]
+    for step in range(3):
+        ids, n = _rows(contexts, width=6200)
+        out = prop.propose([[c[-1]] if c else [] for c in contexts], n, ids)
+        assert len(out) == 4 and out[0] == []
+        assert all(len(c) <= k for c in out)
+        truth = [period[(len(long) + i) % 30] for i in range(len(out[1]))]
+        assert out[1] == truth, step  # the long prompt's own period, followed as far as it is sent
+        assert out[2] == [49151, 0, 49151, 0, 49151, 0][: len(out[2])]
+        if step:
+            assert len(out[1]) == k  # a period seen 200 times: the row earns the whole chain
+        long = long + out[1] + [period[(len(long) + len(out[1])) % 30]]  # vLLM accepted it all
+        contexts[1] = long
+
+
 def test_the_draft_sources_are_checked(monkeypatch):
     for bad in ("recent", "retrieval,model:x", "retrieval,typo"):
         monkeypatch.setenv("SSSD_VLLM_DRAFT", bad)
