@@ -133,7 +133,7 @@ def main() -> int:
     rows, timeline = [], None
     for B in args.batch_sizes:
         prompts = load_prompts(args.set, B * args.prompts_per_row)
-        base = run(plain, prompts, args, B, config)
+        base = run(plain, prompts, args, B)
         print(f"B={B:<3d} plain {base['tokens_per_s']:7.2f} tok/s", flush=True)
         for rnd, name in [(r, n) for r in range(args.rounds) for n in args.sources]:
             results = {}
@@ -144,7 +144,7 @@ def main() -> int:
                     torch.set_num_threads(1)
                     os.sched_setaffinity(0, {min(all_cores)})
                 try:
-                    results[mode] = s = run(eng, prompts, args, B, config)
+                    results[mode] = s = run(eng, prompts, args, B)
                 finally:
                     if split:
                         os.sched_setaffinity(0, all_cores)
@@ -184,8 +184,8 @@ def main() -> int:
     return 0
 
 
-def run(eng: LLMEngine, prompts: list, args, B: int, config: EngineConfig) -> dict:
-    eng.config = EngineConfig(**{**eng.config.__dict__, "max_running": B})
+def run(eng: LLMEngine, prompts: list, args, B: int) -> dict:
+    eng.limit_running(B)  # the slots stay allocated for the largest batch
     eng.metrics.timeline = []
     a = eng.async_drafter
     hits0 = a.hits if a else 0

@@ -246,7 +246,7 @@ def main() -> int:
                 prompts = all_prompts[:n]
                 if ablation:  # fresh prompts for warm sources
                     prompts, all_prompts = all_prompts[:n], all_prompts[n:]
-                spec.config = spec.config.__class__(**{**spec.config.__dict__, "max_running": B})  # caps admission at B
+                spec.limit_running(B)  # at most B at once (the slots stay allocated for the largest batch)
                 spec.metrics.budgets.clear()
                 po, pt = run(spec, prompts, args.max_tokens, speculate=False)
                 spec.metrics.budgets.clear()
@@ -327,7 +327,7 @@ def ablation_rows(
     p = summarize(plain_outs, plain_seconds)
     rows = []
     for draft, eng in engines.items():
-        eng.config = eng.config.__class__(**{**eng.config.__dict__, "max_running": B})
+        eng.limit_running(B)
         eng.metrics.budgets.clear()
         before = dict(eng.metrics.accepted_by_source)
         outs, seconds = run(eng, prompts, args.max_tokens, speculate=True)

@@ -118,7 +118,7 @@ def main() -> int:
             for r in range(args.rounds):
                 # each round starts one configuration later, so that none always runs first or last
                 order = configs[r % len(configs) :] + configs[: r % len(configs)]
-                results = {name: run(eng, B, config, prompts, args.max_tokens) for name, eng in order}
+                results = {name: run(eng, B, prompts, args.max_tokens) for name, eng in order}
                 rounds.append(results)
                 base = results["plain"]
                 for name, _ in configs:
@@ -169,9 +169,9 @@ def main() -> int:
     return 0
 
 
-def run(eng: LLMEngine, B: int, config: EngineConfig, prompts: list, max_tokens: int) -> dict:
+def run(eng: LLMEngine, B: int, prompts: list, max_tokens: int) -> dict:
     """One configuration over the prompts at batch size B: speed, MAT, drafting share, the deferral's asks."""
-    eng.config = EngineConfig(**{**config.__dict__, "max_running": B})
+    eng.limit_running(B)  # the slots stay allocated for the largest batch
     eng.metrics.draft_seconds = eng.metrics.forward_seconds = 0.0
     eng.metrics.accepted_by_source.clear()
     gate = eng.drafting.deferral if eng.drafting is not None else None

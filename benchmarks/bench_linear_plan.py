@@ -99,7 +99,7 @@ def main() -> int:
                     for speculate in (False, True):
                         for kind, (engine, p) in engines.items():
                             use(backend, p)
-                            engine.config = engine.config.__class__(**{**engine.config.__dict__, "max_running": B})
+                            engine.limit_running(B)
                             o, t = run(engine, prompts, args.max_tokens, speculate=speculate)
                             key = ("sssd" if speculate else "plain", kind)
                             res[key], outs[key] = summarize(o, t), [x.token_ids for x in o]

@@ -193,7 +193,7 @@ def main() -> int:
                 else:
                     eng = engines[name]
                 eng.config = dataclasses.replace(eng.config, fuse_prefill=not c.endswith(UNFUSED))
-                eng.scheduler.max_running = B  # the slots stay allocated for the largest batch
+                eng.limit_running(B)  # the slots stay allocated for the largest batch
                 eng.forget_history()  # the recent outputs hold earlier rounds' answers to these prompts
                 res[c] = run(eng, prompts, args.max_tokens, speculate=name.removesuffix(FIXED) != "plain")
             base = res.get("plain")

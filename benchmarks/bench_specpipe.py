@@ -152,7 +152,7 @@ def run(eng: LLMEngine, prompts, B: int, max_tokens: int, stages: int) -> dict:
     """Generates the prompts B at a time; tokens/s and per-pipeline-step figures."""
     import dataclasses
 
-    eng.config = dataclasses.replace(eng.config, max_running=B)
+    eng.limit_running(B)
     m = eng.metrics
     steps0, fwd0, acc0 = m.steps, m.forward_seconds + m.draft_seconds, m.num_accepted_tokens
     pipe = eng.pipeline

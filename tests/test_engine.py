@@ -111,6 +111,29 @@ def test_continuous_batching_admits_and_retires_mid_flight(llama):
     assert [done[i] for i in range(len(prompts))] == alone
 
 
+def test_limit_running_caps_the_requests_at_once_and_changes_no_output(llama):
+    """One engine run at several batch sizes (what the benchmarks do): `limit_running(n)` admits at
+    most n requests at once, whatever its slots; a replaced config does not (it sized the KV pool at
+    construction, and admitting 4 under a 1 made benchmarks' batch-1 rows batch-4 rows)."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 3] for i in range(6)]
+    eng = engine(llama, None, speculate=True, budget=4, max_running=4)
+    outputs = {}
+    for n in (1, 3, None, 2):
+        eng.limit_running(n)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+        most, done = 0, {}
+        while eng.has_unfinished():
+            most = max(most, eng.num_running)
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        assert most == (n or 4)
+        outputs[n] = [done[i] for i in ids]
+    assert outputs[1] == outputs[3] == outputs[None] == outputs[2]
+    for bad in (0, 5, 1.0, True, "2"):
+        with pytest.raises(ValueError, match="limit_running takes an int in 1..4"):
+            eng.limit_running(bad)
+    assert eng.scheduler.max_running == 2  # a refused limit changes nothing
+
+
 def test_chunked_prefill_matches(llama):
     long_prompt = [(7 * i) % 90 + 3 for i in range(70)]
     want = engine(llama, speculate=False, prefill_chunk=512).generate([long_prompt], SamplingParams(max_tokens=10))[0]

@@ -201,6 +201,18 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.slots)
 
+    def limit_running(self, n: int | None) -> None:
+        """Admits at most `n` requests at once from now on (1 up to `config.max_running`, the slots
+        the engine was built with; None: all of them). Requests already running keep their slots;
+        benchmarks run one engine at several batch sizes this way. (`config.max_running` sizes the
+        KV pool at construction: replacing the config afterwards changes nothing.)"""
+        slots = self.config.max_running
+        if n is None:
+            n = slots
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= slots:
+            raise ValueError(f"limit_running takes an int in 1..{slots} (the engine's slots) or None, got {n!r}")
+        self.scheduler.max_running = n
+
     # -- the machine -------------------------------------------------------------------
     def contended(self) -> bool:
         """Whether other processes held one of this engine's cores in the last second."""
