@@ -585,3 +585,19 @@ def test_a_drafter_failing_at_run_time_costs_only_its_drafts(llama, near_llama, 
     assert all(o.finish_reason == "length" for o in outs)
     assert "fell over" in caplog.text
     assert eng.metrics.accepted_by_source.get(src.name, 0) > 0  # it drafted again after failing
+
+
+def test_a_step_kept_plain_drafts_its_counterfactual_without_the_draft_model(llama, near_llama, plain_outputs):
+    """Under a gate that keeps every step plain, the counterfactual trees come from retrieval alone:
+    a deferring draft model's pass is no price for a tree nobody verifies. Output: plain's."""
+    eng = engine(llama, ["retrieval", f"model:{near_llama}"], max_running=3)
+    assert eng.allocator is not None and eng.drafting.defers
+    eng.allocator._losing = lambda key: True
+    eng.allocator.PROBE_EVERY = eng.allocator.PROBE_MAX = eng.allocator.COUNTERFACTUAL_STEPS = 10**9
+    model = next(s for s in eng.drafting.external if s.defers_to_retrieval)
+    calls = []
+    propose = model.propose
+    model.propose = lambda asked: (calls.append(len(asked)), propose(asked))[1]
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert eng.allocator.counterfactual_steps > 0 and not calls

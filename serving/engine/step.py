@@ -26,6 +26,7 @@ import sssd
 from sssd.serving.engine.metrics import timeline_entry
 from sssd.serving.engine.requests import Request
 from sssd.serving.planning.allocation import trials
+from sssd.serving.planning.counterfactual import Counterfactuals, Resolved
 from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled, mss_trials
 from sssd.serving.verify.tree_batch import NO_SOURCE, TreeBatch, pack, stack
 from sssd.sources import DraftRequest
@@ -54,6 +55,7 @@ class StepPlan:
     cap: int = 0  # how deep every row was drafted before the allocation cut its tree
     cached: int = 0  # the rows' cached positions, summed (what the forward pass reads beside its tokens)
     prefill: Any = None  # a prompt chunk (scheduler.PrefillChunk) written in this step's pass, after its rows
+    counterfactual: float = 0.0  # seconds spent drafting trees this plain step does not verify (counterfactual.py)
 
 
 @dataclass
@@ -73,6 +75,14 @@ class DecodeStep:
     def __init__(self, engine):
         self.engine = engine
         self._said_nothing_pays: set[int] = set()
+        #: the trees of steps the allocation's gate kept plain, checked against what their rows emit
+        self.counterfactuals = Counterfactuals()
+        self._ended: set[int] = set()  # requests ended since their counterfactual rows were last walked
+
+    def request_ended(self, rid: int) -> None:
+        """Request `rid` finished: its counterfactual rows resolve once this step's tokens are walked."""
+        if len(self.counterfactuals):
+            self._ended.add(int(rid))
 
     # -- prepare ---------------------------------------------------------------------------
     def prepare(self, reqs: list[Request], prefill: Any = None) -> StepPlan:
@@ -83,8 +93,16 @@ class DecodeStep:
         t0 = time.perf_counter()
         chunk_tokens = prefill.tokens if prefill is not None else 0
         allocator = eng.allocator if eng.drafting is not None else None
+        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
+        counterfactual = 0.0
         if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
-            budget = allocator.candidate_budget(B, chunk_tokens) if allocator.drafts(B) else 0
+            self._walk_ended()
+            if allocator.drafts(B):
+                budget = allocator.candidate_budget(B, chunk_tokens)
+            else:
+                budget = 0
+                if prefill is None and allocator.counterfactual(B):
+                    counterfactual = self._draft_counterfactual(reqs, greedy)
         else:
             budget = eng.planner.budget(B) if eng.drafting is not None else 0
         cap = budget
@@ -100,7 +118,6 @@ class DecodeStep:
             drafts, use, proposals = self._draft_async(reqs, budgets)
         else:
             drafts, use, proposals = self._draft(reqs, budgets)
-        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=bool, count=B)
         allocation = scores = None
         if allocator is not None and drafts is not None:
             drafts, use, budgets, allocation, scores = self._allocate(reqs, greedy, drafts, use, budgets, chunk_tokens)
@@ -120,21 +137,16 @@ class DecodeStep:
         batch = pack(np.fromiter((r.tokens[-1] for r in reqs), dtype=np.int64, count=B), cached, drafts, use)
         plan = StepPlan(reqs, budget, budgets, batch, greedy, t0, t_draft, trials=trials, mode=mode)
         plan.allocation, plan.scores, plan.cap, plan.cached = allocation, scores, cap, int(cached.sum())
-        plan.prefill = prefill
+        plan.prefill, plan.counterfactual = prefill, counterfactual
         plan.times["prepared"] = time.perf_counter()
         return plan
 
-    def _allocate(
-        self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray, prefill: int
-    ):
-        """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
-        its tree, at most its budget, and short enough that every row's padded tree stays inside
-        its KV slot (rows are padded to the largest tree). A row with L tokens left before
-        max_tokens emits at most L this step (its bonus token among them), so its candidates stop
-        before its first node deeper than L - 1: verifying it could never count. `prefill`: prompt
-        tokens the same pass writes (they make verifying cheaper against the step). Returns the cut
-        drafts, the rows that keep a draft, nodes per row, the allocation, and the verified nodes'
-        scores per row."""
+    def _candidates(self, reqs: list[Request], drafts: Any, use: np.ndarray, budgets: np.ndarray) -> list[np.ndarray]:
+        """Per row, the scores of the nodes it may be given: at most its budget, short enough that
+        every row's padded tree stays inside its KV slot (rows are padded to the largest tree), and
+        none deeper than the row's tokens left (a row with L tokens left before max_tokens emits
+        at most L this step, its bonus token among them, so a node deeper than L - 1 could never
+        count); empty for a row that does not speculate."""
         B = len(reqs)
         off = drafts.offsets
         room = self.engine.max_model_len - 1 - max(r.cached for r in reqs)
@@ -145,7 +157,102 @@ class DecodeStep:
             if too_deep.any():
                 limit[b] = int(np.argmax(too_deep))
         empty = np.zeros(0, dtype=np.float32)
-        cands = [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
+        return [drafts.scores[off[b] : off[b] + limit[b]] if use[b] else empty for b in range(B)]
+
+    def _draft_counterfactual(self, reqs: list[Request], greedy: np.ndarray) -> float:
+        """A step the allocation's gate keeps plain: drafts and cuts its trees as a drafting step
+        would, and keeps them to be checked against the tokens the rows go on to emit
+        (planning/counterfactual.py). Greedy batches only (a sampled row's counterfactual depends
+        on draws never made); where a draft model defers to retrieval, retrieval's trees alone.
+        Returns the seconds it took."""
+        eng = self.engine
+        if not greedy.all() or (eng.async_drafter is not None and not eng.async_drafter.idle()):
+            return 0.0
+        t0 = time.perf_counter()
+        B = len(reqs)
+        cap = eng.allocator.candidate_budget(B)
+        budgets = np.fromiter((cap if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
+        if not budgets.any():
+            return 0.0
+        if eng.drafting.defers:  # a draft model's pass is no price for a counterfactual: retrieval's trees
+            try:
+                drafts = eng.drafting.draft_retrieval(
+                    [DraftRequest(r.id, r.history(), int(b)) for r, b in zip(reqs, budgets)]
+                )
+            except Exception as e:  # noqa: BLE001 - a counterfactual is never worth a failed step
+                log.warning("drafting a counterfactual tree failed (%s); this step learns nothing", e)
+                drafts = None
+            use = (budgets > 0) & self._in_vocab(reqs, drafts) if drafts is not None else None
+        else:
+            drafts, use, _ = self._draft(reqs, budgets)
+        if drafts is None:
+            return time.perf_counter() - t0
+        cands = self._candidates(reqs, drafts, use, budgets)
+        a = eng.allocator.allocate(
+            [r.id for r in reqs], greedy, cands, cached=int(sum(r.cached for r in reqs)), count=False
+        )
+        off = drafts.offsets
+        rows = [
+            (
+                r.id,
+                drafts.tokens[off[b] : off[b] + c],
+                drafts.parents[off[b] : off[b] + c],
+                drafts.scores[off[b] : off[b] + c],
+            )
+            for b, (r, c) in enumerate(zip(reqs, a.counts.tolist()))
+            if c and use[b]
+        ]
+        self._learn_counterfactual(self.counterfactuals.add(B, a.seconds, rows))
+        return time.perf_counter() - t0
+
+    def _walk_counterfactuals(self, emitted: dict[int, list[int]]) -> None:
+        """This step's emitted tokens walk the open counterfactual trees; ended requests' resolve."""
+        if not len(self.counterfactuals):
+            self._ended.clear()
+            return
+        done: list = []
+        for rid, toks in emitted.items():
+            if toks:
+                done.extend(self.counterfactuals.advance(rid, toks))
+        self._learn_counterfactual(done)
+        self._walk_ended()
+
+    def _walk_ended(self) -> None:
+        if self._ended:
+            done: list = []
+            for rid in self._ended:
+                done.extend(self.counterfactuals.close(rid))
+            self._ended.clear()
+            self._learn_counterfactual(done)
+
+    def _learn_counterfactual(self, done: list) -> None:
+        """Resolved counterfactual rows teach the acceptance model (live requests only: an ended
+        one's counts are forgotten) and resolved steps the gate."""
+        if not done:
+            return
+        allocator, requests = self.engine.allocator, self.engine.requests
+        rows = [d for d in done if isinstance(d, tuple) and d[0] in requests and not requests[d[0]].finished]
+        if rows:
+            allocator.acceptance.observe(
+                [rid for rid, _, _ in rows],
+                np.ones(len(rows), dtype=bool),
+                [c for _, c, _ in rows],
+                [y for _, _, y in rows],
+            )
+        for d in done:
+            if isinstance(d, Resolved):
+                allocator.observe_counterfactual(d.batch, d.tokens, d.seconds)
+
+    def _allocate(
+        self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray, prefill: int
+    ):
+        """The batch-wide cut of the drafted trees (planning/allocation.py): per row a prefix of
+        its candidates (`_candidates`). `prefill`: prompt
+        tokens the same pass writes (they make verifying cheaper against the step). Returns the cut
+        drafts, the rows that keep a draft, nodes per row, the allocation, and the verified nodes'
+        scores per row."""
+        B = len(reqs)
+        cands = self._candidates(reqs, drafts, use, budgets)
         allocation = self.engine.allocator.allocate(
             [r.id for r in reqs], greedy, cands, cached=int(sum(r.cached for r in reqs)), prefill=prefill
         )
@@ -319,6 +426,7 @@ class DecodeStep:
         plan.times["waited"] = time.perf_counter()
         path_tokens, path_sources = self._compact(plan.batch, outcome)
         emitted, verified, accepted = self._emit(plan, outcome, path_tokens, path_sources)
+        self._walk_counterfactuals(emitted)
         for req in plan.requests:  # slots move only now that every row is done
             if req.finished:
                 eng.retire(req)
@@ -494,8 +602,8 @@ class DecodeStep:
                 expected=(a.expected_tokens, a.seconds),
                 cached=plan.cached,
             )
-        elif eng.allocator is not None:
-            eng.allocator.observe_plain(B, seconds, t_forward, plan.cached)
+        elif eng.allocator is not None:  # (plain decoding spends no counterfactual drafting)
+            eng.allocator.observe_plain(B, seconds - plan.counterfactual, t_forward, plan.cached)
         else:
             eng.planner.observe(B, plan.budget, seconds, n_emitted)
         if eng.drafting is not None and plan.budget:  # what the deferral of costly sources measures

@@ -248,6 +248,13 @@ class BatchAllocator:
     RATIO_DECAY = 0.95
     RATIO_STEPS = 8
     RATIO_RANGE = (0.25, 2.0)
+    #: While a bucket loses, the steps the gate keeps plain still draft (greedy batches), and what
+    #: verifying would have given is read off the tokens the requests go on to emit
+    #: (planning/counterfactual.py). Once COUNTERFACTUAL_STEPS such steps resolved since the last
+    #: probe and their tokens per second (their predicted seconds corrected by what the bucket's
+    #: speculative steps measured against their predictions; exponential mean) beat the plain
+    #: steps', the next step probes without waiting for the interval.
+    COUNTERFACTUAL_STEPS = 4
 
     def __init__(
         self,
@@ -276,7 +283,10 @@ class BatchAllocator:
         self._parts: dict[int, list[float]] = {}
         self._ratio: dict[int, float] = {}  # batch bucket -> correction of the selected nodes' worth
         self._ratio_sums: dict[int, list] = {}  # batch bucket -> [emitted, expected, steps] beyond the bonus
+        #: batch bucket -> [gain over plain, steps] of the counterfactual steps since its last probe
+        self._counterfactual: dict[int, list] = {}
         self.steps = self.empty_steps = self.plain_steps = 0
+        self.counterfactual_steps = self.called_probes = 0
 
     def use_time(self, time: Callable[[int, np.ndarray], np.ndarray]) -> None:
         """Allocates by `time` from now on (a measured profile replacing the prior): what was
@@ -287,6 +297,7 @@ class BatchAllocator:
         self._caps.clear()
         self._gain.clear()
         self._probe.clear()
+        self._counterfactual.clear()
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -360,17 +371,40 @@ class BatchAllocator:
         return self._gain.get(key, 2.0) < 1.0
 
     def drafts(self, batch: int) -> bool:
-        """Whether this step drafts at all (see PLAIN_EVERY and PROBE_EVERY)."""
+        """Whether this step drafts at all (see PLAIN_EVERY, PROBE_EVERY and COUNTERFACTUAL_STEPS)."""
         key = self.bucket(batch)
         n = self._turn[key] = self._turn.get(key, 0) + 1
         if key not in self._plain or n % self.PLAIN_EVERY == 0:
             return False
         if self._losing(key):  # a probe once every so many steps (not in step with PLAIN_EVERY)
             since = self._since[key] = self._since.get(key, 0) + 1
-            if since < self._probe.get(key, self.PROBE_EVERY):
+            cf = self._counterfactual.get(key)
+            called = cf is not None and cf[1] >= self.COUNTERFACTUAL_STEPS and cf[0] > 1.0
+            if since < self._probe.get(key, self.PROBE_EVERY) and not called:
                 return False
             self._since[key] = 0
+            self._counterfactual.pop(key, None)  # the probe measures; the evidence starts afresh
+            self.called_probes += called
         return True
+
+    def counterfactual(self, batch: int) -> bool:
+        """Whether a step the gate keeps plain should still draft, to learn what verifying would
+        have given (only while the bucket loses: the other plain steps are the plain measurement)."""
+        return self._losing(self.bucket(batch))
+
+    def observe_counterfactual(self, batch: int, tokens: int, seconds: float) -> None:
+        """A counterfactual step resolved (planning/counterfactual.py): the tokens it would have
+        emitted in the seconds it was predicted to take."""
+        key = self.bucket(batch)
+        if key not in self._plain or seconds <= 0:
+            return
+        parts = self._parts.get(key)  # the bucket's speculative steps: measured over predicted seconds
+        seconds *= parts[3] / parts[2] if parts is not None and parts[2] > 0 else 1.0
+        gain = (tokens / seconds) / (self._plain_rows[key] / self._plain[key])
+        cf = self._counterfactual.setdefault(key, [gain, 0])
+        cf[0] = gain if not cf[1] else 0.7 * cf[0] + 0.3 * gain
+        cf[1] += 1
+        self.counterfactual_steps += 1
 
     def candidate_budget(self, batch: int, prefill: int = 0) -> int:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
@@ -394,12 +428,14 @@ class BatchAllocator:
         scores: list[np.ndarray],
         cached: int | None = None,
         prefill: int = 0,
+        count: bool = True,
     ) -> Allocation:
         """Nodes to verify per row, from each row's candidate tree's scores (in tree order; an
         empty array for a row that does not speculate); `cached`: the rows' cached positions,
         summed (None: as the bucket's recent steps); `prefill`: prompt tokens the same pass writes
         (a step that carries a prompt chunk costs more whatever it verifies, so its draft nodes
-        cost a smaller share of it: such steps verify more)."""
+        cost a smaller share of it: such steps verify more); `count`: False for a counterfactual
+        step's (not in the step counts)."""
         B = len(ids)
         gammas = self.acceptance.gammas(ids, greedy)
         ratio = self._ratio.get(self.bucket(B), 1.0)
@@ -408,8 +444,9 @@ class BatchAllocator:
         cost = lambda ks: self.step_seconds(B, ks, cached) + chunk  # noqa: E731
         counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
-        self.steps += 1
-        self.empty_steps += k == 0
+        if count:
+            self.steps += 1
+            self.empty_steps += k == 0
         return Allocation(
             counts,
             expected,
@@ -488,6 +525,10 @@ class BatchAllocator:
             "steps": self.steps,
             "steps_without_drafts": self.empty_steps,
             "plain_steps": self.plain_steps,
+            # steps kept plain that drafted to learn what verifying would have given, and the
+            # probes their evidence called before the interval
+            "counterfactual_steps": self.counterfactual_steps,
+            "called_probes": self.called_probes,
             "gamma": {m: round(g, 3) for m, g in self.acceptance._gamma.items()},
             "buckets": {
                 k: {
