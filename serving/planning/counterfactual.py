@@ -69,7 +69,6 @@ class Counterfactuals:
         self.max_steps = int(max_steps)
         self._steps: deque[_Step] = deque()
         self._rows: dict[int, list[tuple[_Step, _Row]]] = {}  # request id -> its open rows
-        self.added = self.resolved = 0
 
     def __len__(self) -> int:
         """Requests with open trees."""
@@ -87,10 +86,16 @@ class Counterfactuals:
         `advance` does."""
         step = _Step(int(batch), float(seconds), [], 0)
         for rid, tokens, parents, scores in rows:
-            if len(tokens):
-                self._open(step, int(rid), tokens, parents, scores)
+            if not len(tokens):
+                continue
+            tokens = np.asarray(tokens, dtype=np.int64)
+            parents = np.asarray(parents, dtype=np.int64)
+            row = _Row(int(rid), tokens, parents, np.asarray(scores, dtype=np.float64))
+            row.children = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist()))}
+            row.inner = frozenset(parents.tolist())
+            step.rows.append(row)
+            self._rows.setdefault(row.rid, []).append((step, row))
         step.open = len(step.rows)
-        self.added += 1
         self._steps.append(step)
         out: list = []
         while len(self._steps) > self.max_steps:
@@ -100,15 +105,6 @@ class Counterfactuals:
             out.extend(self._pop_resolved())
         out.extend(self._pop_resolved())
         return out
-
-    def _open(self, step: _Step, rid: int, tokens, parents, scores) -> None:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        parents = np.asarray(parents, dtype=np.int64)
-        row = _Row(rid, tokens, parents, np.asarray(scores, dtype=np.float64))
-        row.children = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist()))}
-        row.inner = frozenset(parents.tolist())
-        step.rows.append(row)
-        self._rows.setdefault(rid, []).append((step, row))
 
     def advance(self, rid: int, tokens: list[int]) -> list:
         """The tokens request `rid` emitted this step: walks its open trees. Returns what resolved:
@@ -169,6 +165,5 @@ class Counterfactuals:
         out = []
         while self._steps and self._steps[0].open <= 0:
             step = self._steps.popleft()
-            self.resolved += 1
             out.append(Resolved(step.batch, step.batch + sum(r.matched for r in step.rows), step.seconds))
         return out
