@@ -47,7 +47,7 @@ def _tokenizer(extra_words: tuple[str, ...] = ()):
     ), len(vocab)
 
 
-def _make_model(folder, seed: int = 0, extra_words: tuple[str, ...] = ()):
+def _make_model(folder, seed: int = 0, extra_words: tuple[str, ...] = (), positions: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_tok, vocab_size = _tokenizer(extra_words)
@@ -58,7 +58,7 @@ def _make_model(folder, seed: int = 0, extra_words: tuple[str, ...] = ()):
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         bos_token_id=1,
         eos_token_id=EOT,
         pad_token_id=3,
@@ -170,6 +170,39 @@ def test_engine_and_plain_greedy_write_the_same_outputs(tiny_model, tmp_path):
     assert hp["generation"]["stop_ids"] == hf["generation"]["stop_ids"]
     strip = lambda rs: [(r["id"], r["prompt_ids"], r["output_ids"], r["finish"]) for r in rs]  # noqa: E731
     assert strip(rp) == strip(rf)
+
+
+def test_the_engine_makes_room_for_prompts_longer_than_its_default_length(tmp_path):
+    # A copy-heavy set's prompts run past the engine's default 2048 tokens per request: the engine is
+    # sized to the longest prompt plus the output, and writes what plain greedy decoding does.
+    folder = _make_model(tmp_path / "long-llama", positions=4096)
+    long = " ".join(WORDS[i % len(WORDS)] for i in range(2300))
+    recs = [PromptRecord("long", "toy", [{"role": "user", "content": long}], None), *_records(2)]
+    plain = generate(str(folder), recs, tmp_path / "p.jsonl", max_new_tokens=8, engine="transformers", progress=False)
+    fast = generate(str(folder), recs, tmp_path / "f.jsonl", max_new_tokens=8, batch_size=2, progress=False)
+    (_, *rp), (_, *rf) = _lines(plain.path), _lines(fast.path)
+    assert len(rf[0]["prompt_ids"]) > 2300
+    assert [(r["id"], r["output_ids"]) for r in rp] == [(r["id"], r["output_ids"]) for r in rf]
+
+
+def test_the_engine_length_counts_the_answers_a_follow_up_carries(tiny_model):
+    from sssd.commands._generate import TREE_ROOM, _model_len_for
+
+    first = PromptRecord("a", "toy", [{"role": "user", "content": "the cat sat " * 300}], None)
+    second = PromptRecord(
+        "a#2",
+        "toy",
+        [first.messages[0], {"role": "assistant", "content": None}, {"role": "user", "content": "why"}],
+        None,
+        follows="a",
+    )
+    _, tok = _load(tiny_model)
+    n = len(gt.prompt_ids(tok, first.messages))
+    assert n > 900
+    alone = _model_len_for(tiny_model, [first], True, 1500)
+    assert alone >= n + 1500 + TREE_ROOM and alone % 256 == 0
+    assert _model_len_for(tiny_model, [first, second], True, 1500) >= n + 2 * 1500 + TREE_ROOM
+    assert _model_len_for(tiny_model, _records(2), True, 8) == 2048  # never below the engine's default
 
 
 def test_interrupted_run_resumes_without_duplicates(tiny_model, tmp_path):

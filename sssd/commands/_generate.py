@@ -53,6 +53,7 @@ def generate(
     overwrite: bool = False,
     engine: str = "sssd",
     batch_size: int = 16,
+    max_model_len: int | None = None,
     progress: bool = True,
     log: Log = log_to_stderr,
 ) -> Summary:
@@ -76,6 +77,9 @@ def generate(
         overwrite: start the file over instead of resuming it.
         engine: "sssd" (batched, speculative, exact) or "transformers" (batch 1, plain).
         batch_size: prompts decoded together by the sssd engine.
+        max_model_len: the sssd engine's tokens per request (prompt, output and a draft tree); None:
+            sized to the longest prompt plus ``max_new_tokens`` (at least the engine's default), so
+            that no output is cut short by the engine's length. The model's context caps it.
 
     Raises:
         ValueError: empty prompt set, duplicate ids, or an existing file from another model,
@@ -101,6 +105,7 @@ def generate(
             threads=threads,
             overwrite=overwrite,
             batch_size=batch_size,
+            max_model_len=max_model_len,
             progress=progress,
             log=log,
         )
@@ -162,14 +167,22 @@ def _generate_engine(
     threads: int | None,
     overwrite: bool,
     batch_size: int,
+    max_model_len: int | None,
     progress: bool,
     log: Log,
 ) -> Summary:
     """``generate`` through SSSD's engine: rounds of ``batch_size`` prompts, each round one
     continuous batch (records that follow another record's output wait for a later round)."""
     folder = resolve_model(model, log=log)
+    if max_model_len is None:
+        max_model_len = _model_len_for(folder, records, chat_template, max_new_tokens)
     llm = sssd.LLM(
-        str(folder), datastore=_drafting_datastore(folder, log), dtype=dtype, threads=threads, max_running=batch_size
+        str(folder),
+        datastore=_drafting_datastore(folder, log),
+        dtype=dtype,
+        threads=threads,
+        max_running=batch_size,
+        max_model_len=max_model_len,
     )  # sssd.LLM loads the engine (and torch) on first use
     tokenizer = llm.get_tokenizer()
     stops = stop_ids(tokenizer, llm.engine.backend.model)
@@ -231,6 +244,33 @@ def _generate_engine(
         bar.close()
         writer.close()
     return summarize(summary, writer)
+
+
+#: What ``_model_len_for`` leaves beside a prompt and its output: one draft tree (the largest budget
+#: is 64 nodes and its root) and the engine's own margin, rounded generously.
+TREE_ROOM = 128
+
+
+def _model_len_for(folder: Path, records: Sequence[PromptRecord], chat_template: bool, max_new_tokens: int) -> int:
+    """Tokens per request for the engine to generate every record in full: the longest prompt of
+    the records that follow no other (a follow-up's earlier answers are unknown until generated:
+    it adds ``max_new_tokens`` per record it follows) plus ``max_new_tokens`` and a draft tree, at
+    least EngineConfig's default; the engine caps it at the model's context."""
+    from transformers import AutoTokenizer
+
+    from sssd.serving.engine.config import EngineConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    by_id = {r.id: r for r in records}
+    longest = 0
+    for r in records:
+        chain, prev = 0, r.follows
+        while prev and prev in by_id and chain < len(records):
+            chain, prev = chain + 1, by_id[prev].follows
+        messages = [dict(m, content="") if m.get("content") is None else m for m in r.messages]
+        longest = max(longest, len(prompt_ids(tokenizer, messages, chat_template)) + chain * max_new_tokens)
+    need = longest + max_new_tokens + TREE_ROOM
+    return max(EngineConfig.max_model_len, -(-need // 256) * 256)
 
 
 def _drafting_datastore(folder: Path, log: Log) -> Any:

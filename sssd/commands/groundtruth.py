@@ -85,6 +85,13 @@ def setup(p: argparse.ArgumentParser):
         "--batch-size", type=_args.int_range(1, 4096), default=16, help="prompts decoded together (--engine sssd)"
     )
     p.add_argument(
+        "--max-model-len",
+        type=_args.int_range(64),
+        default=None,
+        help="tokens per request in the sssd engine (prompt, output and a draft tree; the model's context "
+        "caps it) (default: the longest prompt plus --max-new-tokens, at least 2048)",
+    )
+    p.add_argument(
         "--both-turns", action="store_true", help="mtbench: also the second turns (after the model's own first answers)"
     )
     p.add_argument(
@@ -156,6 +163,7 @@ def setup(p: argparse.ArgumentParser):
                 threads=args.threads,
                 engine=args.engine,
                 batch_size=args.batch_size,
+                max_model_len=args.max_model_len,
                 **common,
             )
         out = summary.to_dict()
