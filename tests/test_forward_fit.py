@@ -115,3 +115,71 @@ def test_the_allocation_prices_a_step_by_its_context():
     long = alloc.allocate(ids, greedy, scores, cached=30000)
     assert long.counts.sum() > short.counts.sum() and long.seconds > short.seconds and long.cached == 30000
     assert alloc.report()["buckets"][16]["forward_fit_ms"][2] == pytest.approx(20.0, rel=0.15)
+
+
+def test_the_nonnegative_solve_is_the_constrained_optimum():
+    """Against brute force: the best of a fine grid over beta >= 0 is never better than the solve,
+    and the solve is feasible; where the unconstrained optimum is feasible, it is that optimum."""
+    from sssd.serving.planning.forward_fit import nonnegative_solve
+
+    rng = np.random.default_rng(5)
+    grid = np.stack(np.meshgrid(*[np.linspace(0, 3, 61)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
+    for _ in range(40):
+        M = rng.normal(size=(3, 3))
+        A = M @ M.T + 0.1 * np.eye(3)
+        r = rng.normal(size=3)
+        beta = nonnegative_solve(A, r)
+        value = lambda b: np.einsum("...i,ij,...j->...", b, A, b) - 2 * b @ r  # noqa: E731
+        assert (beta >= 0).all()
+        assert value(beta) <= value(grid).min() + 1e-9
+        free = np.linalg.solve(A, r)
+        if (free >= 0).all():
+            assert np.allclose(beta, free)
+
+
+def test_more_tokens_or_drafting_at_all_is_never_predicted_cheaper():
+    """Plain steps timed while the machine was slow, speculative ones after it sped up: least
+    squares reads a negative cost of drafting at all (and once, on code edits at batch 2, priced
+    28-token passes that took 150-220 ms at 3 ms). The fit keeps every slope >= 0, so a pass that
+    verifies drafts is never predicted cheaper than one with fewer tokens and none."""
+    rng = np.random.default_rng(6)
+    fit = ForwardFit(per_token=0.003)
+    for i in range(24):
+        if i < 12:  # plain, slow machine
+            fit.observe(2, 970 + 2 * i, 0, 1.4 * float(true_cost(2, 970 + 2 * i, 0)) * rng.normal(1, 0.05))
+        else:
+            t = int(rng.integers(20, 90))
+            fit.observe(t, 1000 + 5 * i, t - 2, float(true_cost(t, 1000 + 5 * i, t - 2)) * rng.normal(1, 0.05))
+    a, b, c, j = fit.coefficients()
+    assert min(b, c, j) >= 0
+    plain = float(fit(2, 1000, 0))
+    assert float(fit(3, 1000, 1)) >= plain and float(fit(28, 1000, 26)) >= plain
+
+
+def test_plain_passes_of_a_few_rows_leave_the_token_slope_to_its_prior():
+    """A batch-4 bucket's plain passes carry 3 or 4 tokens; what they cost says nothing of a
+    260-token pass. Here the 3-row passes ran 5 ms slower (the machine drifted while rows
+    finished): read as a slope, that is a negative cost per token (clipped to 0, it priced every
+    draft as free). The slope stays near its prior until passes of many tokens are measured."""
+    rng = np.random.default_rng(7)
+    fit = ForwardFit(per_token=0.003)
+    for i in range(126):
+        rows = 3 if i % 4 == 0 else 4
+        fit.observe(rows, 1800 + 4 * i, 0, (0.095 if rows == 3 else 0.090) * rng.normal(1, 0.05))
+    assert fit.coefficients()[1] == pytest.approx(0.003, rel=0.35)
+
+
+def test_a_pass_longer_than_any_fitted_is_fitted_not_left_out():
+    """A fit whose prior slope is far too low predicts a long pass at a fraction of its time: that
+    is the extrapolation failing, not the machine stalling. The pass is fitted (the next long one
+    is priced near its time) and the level, which follows the machine's pace, is not moved."""
+    fit = ForwardFit(per_token=0.0002)
+    for i in range(40):
+        fit.observe(4, 1800 + 4 * i, 0, float(true_cost(4, 1800 + 4 * i, 0)))
+    level = fit.level
+    long = float(true_cost(260, 2000, 256))
+    assert float(fit(260, 2000, 256)) < long / 4  # the prior's price of it
+    assert fit.observe(260, 2000, 256, long)
+    assert fit.level == level
+    fit.observe(200, 2010, 196, float(true_cost(200, 2010, 196)))
+    assert float(fit(240, 2020, 236)) == pytest.approx(float(true_cost(240, 2020, 236)), rel=0.35)

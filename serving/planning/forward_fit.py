@@ -27,7 +27,10 @@ the measured steps above: 0.97-1.00 predicted over measured, where the line had 
 
 A step that takes more than ``outlier`` times the prediction, once ``settle`` steps are in, is left
 out (it did something besides verifying: a pause, a neighbour's burst); a run of ``settle`` of them
-means the machine changed, and the fit starts over.
+means the machine changed, and the fit starts over. A step longer (in tokens) than any fitted so far
+is always fitted and never moves the level: its prediction was an extrapolation, and what it
+measures is the slope, not the machine. The slopes are >= 0 (more tokens, more context or drafting
+at all never cost less; ``nonnegative_solve``).
 """
 
 from __future__ import annotations
@@ -37,8 +40,13 @@ import numpy as np
 #: Features: tokens verified, cached positions (thousands), any draft verified (0/1).
 FEATURES = ("tokens", "cached_k", "drafted")
 #: A feature's spread is taken as at least this (its variance), so that a feature that never moved
-#: keeps its prior slope instead of being fitted from nothing.
-MIN_VARIANCE = np.array([1.0, 0.01, 0.25])
+#: keeps its prior slope instead of being fitted from nothing. For the tokens, eight either side:
+#: plain passes of 3 and 4 rows (a batch-4 bucket) say nothing of what 260 tokens cost, and with a
+#: floor of one token their noise alone set the slope to 0 (2026-11-30). For the context, half a thousand
+#: positions: steps whose contexts span a few dozen (a batch-1 bucket in one request's answer) read
+#: the machine's noise as a slope (257 ms per thousand cached positions at batch 1 on code edits,
+#: 2026-11-30, where 0.01 was the floor).
+MIN_VARIANCE = np.array([64.0, 0.25, 0.25])
 
 
 def features(tokens, cached, drafted) -> np.ndarray:
@@ -47,6 +55,29 @@ def features(tokens, cached, drafted) -> np.ndarray:
     cached = np.broadcast_to(np.asarray(cached, dtype=np.float64) / 1000.0, tokens.shape)
     drafted = np.broadcast_to(np.asarray(drafted, dtype=np.float64) > 0, tokens.shape).astype(np.float64)
     return np.stack([tokens, cached, drafted], axis=-1)
+
+
+def nonnegative_solve(A: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """argmin over beta >= 0 of beta'A beta - 2 r'beta (A positive definite): more tokens, more
+    context or drafting at all never cost less. Solved exactly by trying every set of free slopes
+    (the others held at 0) and keeping the best that is feasible; the features are few.
+
+    Clipping the unconstrained solution instead leaves the other slopes fitted beside a negative
+    one: at batch 2 on code edits (2026-11-30) the unconstrained fit came out at -53 ms + 8.5 ms a
+    token + 100 ms per thousand cached positions - 286 ms for drafting at all, and priced 28-token
+    passes that took 150-220 ms at 3 ms, so the allocation took every node it was offered."""
+    d = len(r)
+    best, best_value = np.zeros(d), 0.0  # nothing free: beta = 0, objective 0
+    for mask in range(1, 1 << d):
+        free = [i for i in range(d) if mask >> i & 1]
+        sub = np.linalg.solve(A[np.ix_(free, free)], r[free])
+        if (sub < 0).any():
+            continue
+        value = -float(r[free] @ sub)  # the objective at the subproblem's optimum
+        if value < best_value:
+            best_value, best = value, np.zeros(d)
+            best[free] = sub
+    return best
 
 
 class ForwardFit:
@@ -85,6 +116,7 @@ class ForwardFit:
         self.sxx = np.zeros((d, d))
         self.sxy = np.zeros(d)
         self.steps = 0
+        self.max_tokens = 0  # the longest pass fitted
         self.level = 1.0
 
     def coefficients(self) -> np.ndarray:
@@ -97,8 +129,7 @@ class ForwardFit:
         # the prior as prior_steps pseudo-steps half a spread either side of the mean step, per feature
         # (as MeasuredStepCost's): they weigh on a slope as prior_steps / 4 measured steps do
         lam = 0.25 * self.prior_steps / self.n * np.maximum(np.diag(S), MIN_VARIANCE)
-        beta = np.linalg.solve(S + np.diag(lam), Sy + lam * self.prior)
-        beta[:2] = np.maximum(beta[:2], 0.0)  # more tokens or more context never cost less
+        beta = nonnegative_solve(S + np.diag(lam), Sy + lam * self.prior)
         return np.concatenate([[my - float(m @ beta)], beta])
 
     def fitted(self, x: np.ndarray) -> np.ndarray:
@@ -120,7 +151,11 @@ class ForwardFit:
         if not (seconds > 0 and np.isfinite(seconds)):
             return False
         x = features(tokens, cached, drafted)
-        if self.steps:
+        # a pass longer than any fitted so far is an extrapolation's test, not the machine's: it is
+        # neither left out as an outlier nor taken as the machine's pace (at batch 4 on code edits,
+        # 2026-11-30, a fit over plain passes priced the first 260-token pass at 130 ms; it took
+        # 805 ms, and leaving such passes out as outliers kept the fit from ever learning better)
+        if self.steps and tokens <= self.max_tokens:
             predicted = float(self.level * self.fitted(x))
             if self.steps >= self.settle and seconds > self.outlier * predicted:
                 self._run += 1
@@ -139,4 +174,5 @@ class ForwardFit:
         self.sxx = d * self.sxx + np.outer(x, x)
         self.sxy = d * self.sxy + x * seconds
         self.steps += 1
+        self.max_tokens = max(self.max_tokens, int(tokens))
         return True
