@@ -108,20 +108,25 @@ def test_the_candidate_budget_follows_what_verifying_costs():
     assert dear.candidate_budget(64) < dear.candidate_budget(4) <= 64
 
 
-def test_a_step_that_writes_a_prompt_chunk_verifies_what_a_plain_step_would_not():
-    """Verifying costs 20 ms a token and nothing else: a node (worth < 1 token) never pays for its
-    token in a plain step, but once a pass that also wrote 100 prompt tokens measured 2 s more, a
-    step that writes a chunk costs that whatever it verifies, so there the same node pays, and rows
-    may be drafted deeper. Before any such pass was measured, nothing is drafted on a guess."""
+def test_a_step_that_writes_a_prompt_chunk_chooses_as_the_same_step_without_it():
+    """Verifying costs 20 ms a token and nothing else: a node worth less than a token never pays
+    for it. A pass that also wrote 100 prompt tokens measured 2 s more; that chunk is paid whatever
+    the step verifies, so it buys no node (priced into the choice, it diluted the step's rate and
+    every node looked worth verifying) and does not deepen the rows; the step's predicted time
+    carries it. Nodes that pay in a plain step are chosen alike with or without the chunk."""
     alloc = BatchAllocator(lambda rows, t: 0.02 * rows * np.asarray(t, dtype=float), max_budget=64)
-    scores = [np.array([0.5, 0.4]), np.array([0.5])]
-    plain = alloc.allocate([1, 2], np.array([True, True]), scores)
-    assert alloc.allocate([1, 2], np.array([True, True]), scores, prefill=100).counts.tolist() == [0, 0]
+    ids, greedy = [1, 2], np.array([True, True])
+    weak = [np.array([0.5, 0.4]), np.array([0.5])]
     alloc.observe_prefill(2, 0, 0, 100, 0.04 + 2.0)  # the plain pass of 2 rows: 40 ms
     assert alloc.prefill_seconds(2, 100) == pytest.approx(2.0) and alloc.prefill_seconds(2, 0) == 0.0
-    chunk = alloc.allocate([1, 2], np.array([True, True]), scores, prefill=100)
-    assert plain.counts.tolist() == [0, 0] and chunk.counts.tolist() == [2, 1]
-    assert alloc.candidate_budget(2, prefill=100) > alloc.candidate_budget(2)
+    plain, chunk = alloc.allocate(ids, greedy, weak), alloc.allocate(ids, greedy, weak, prefill=100)
+    assert plain.counts.tolist() == chunk.counts.tolist() == [0, 0]
+    assert chunk.seconds == pytest.approx(plain.seconds + 2.0)
+    cheap = BatchAllocator(lambda rows, t: 0.05 * rows + 0.002 * rows * (np.asarray(t, dtype=float) - 1))
+    cheap.observe_prefill(2, 0, 0, 100, 0.1 + 2.0)
+    strong = [np.array([0.9, 0.8, 0.02]), np.array([0.9])]
+    a, b = cheap.allocate(ids, greedy, strong), cheap.allocate(ids, greedy, strong, prefill=100)
+    assert a.counts.tolist() == b.counts.tolist() == [2, 1]
 
 
 def test_measured_costs_correct_the_profile_and_predicted_rates_are_reported():

@@ -98,7 +98,7 @@ class DecodeStep:
         if allocator is not None:  # drafted as deep as any row could use, then cut batch-wide
             self._walk_ended()
             if allocator.drafts(B):
-                budget = allocator.candidate_budget(B, chunk_tokens)
+                budget = allocator.candidate_budget(B)
             else:
                 budget = 0
                 if prefill is None and allocator.counterfactual(B):

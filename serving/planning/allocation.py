@@ -406,19 +406,14 @@ class BatchAllocator:
         cf[1] += 1
         self.counterfactual_steps += 1
 
-    def candidate_budget(self, batch: int, prefill: int = 0) -> int:
+    def candidate_budget(self, batch: int) -> int:
         """The most nodes any one row could be given at this batch size: the k at which even nodes
-        certain to be accepted stop paying (so rows need not be drafted deeper); with `prefill`
-        prompt tokens in the same pass, deeper."""
-        chunk = self.prefill_seconds(batch, prefill)
-        if chunk or batch not in self._caps:
+        certain to be accepted stop paying (so rows need not be drafted deeper)."""
+        if batch not in self._caps:
             ks = np.arange(self.max_budget * batch + 1)
-            fixed = self._overhead.get(self.bucket(batch), 0.0) + chunk
+            fixed = self._overhead.get(self.bucket(batch), 0.0)
             rate = (batch + ks) / (self.forward_seconds(batch, ks) + fixed)
-            cap = int(min(self.max_budget, np.argmax(rate)))
-            if chunk:  # this step's own: not the bucket's
-                return cap
-            self._caps[batch] = cap
+            self._caps[batch] = int(min(self.max_budget, np.argmax(rate)))
         return self._caps[batch]
 
     def allocate(
@@ -432,16 +427,20 @@ class BatchAllocator:
     ) -> Allocation:
         """Nodes to verify per row, from each row's candidate tree's scores (in tree order; an
         empty array for a row that does not speculate); `cached`: the rows' cached positions,
-        summed (None: as the bucket's recent steps); `prefill`: prompt tokens the same pass writes
-        (a step that carries a prompt chunk costs more whatever it verifies, so its draft nodes
-        cost a smaller share of it: such steps verify more); `count`: False for a counterfactual
-        step's (not in the step counts)."""
+        summed (None: as the bucket's recent steps); `prefill`: prompt tokens the same pass writes;
+        `count`: False for a counterfactual step's (not in the step counts).
+
+        A step whose pass also writes a prompt chunk pays the chunk's seconds whatever it verifies,
+        so they do not lower the bar a node must clear: its selection is the one the same step
+        without the chunk would make, and the chunk's seconds are in its predicted time only.
+        Priced into the choice, they diluted the step's rate and bought nodes below the engine's
+        own (192 nodes for 25 more tokens beside a 234-token chunk at batch 3: 25 ms a token
+        against 8-15 in the decode steps around it; RESULTS.md, 2026-11-30)."""
         B = len(ids)
         gammas = self.acceptance.gammas(ids, greedy)
         ratio = self._ratio.get(self.bucket(B), 1.0)
         values = [ratio * self.acceptance.worth(s, g) if s.size else s for s, g in zip(scores, gammas)]
-        chunk = self.prefill_seconds(B, prefill)
-        cost = lambda ks: self.step_seconds(B, ks, cached) + chunk  # noqa: E731
+        cost = lambda ks: self.step_seconds(B, ks, cached)  # noqa: E731
         counts, k = select(values, cost, B)
         expected = B + sum(float(np.minimum.accumulate(v)[:c].sum()) for v, c in zip(values, counts) if c)
         if count:
@@ -450,7 +449,7 @@ class BatchAllocator:
         return Allocation(
             counts,
             expected,
-            float(cost(np.array([k]))[0]),
+            float(cost(np.array([k]))[0]) + self.prefill_seconds(B, prefill),
             int(sum(s.size for s in scores)),
             int(cached or 0),
         )
