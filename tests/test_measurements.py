@@ -108,6 +108,40 @@ def test_a_pass_that_stalls_once_is_timed_again_and_the_profile_is_trusted(llama
     assert prof.seconds[0][j] < prof.seconds[0][j - 1] * 2 * 9 / 7 + 0.002
 
 
+def test_the_rows_stopping_rule_reads_the_retimed_figure_not_the_stall(llama, profiles):
+    """The stopping rule at its real ratio (a row ends once a pass costs STOP_RATIO times its
+    one-token pass): a point whose first timing stalled at 8x the row's first pass is timed again
+    before the rule reads it, so the row goes on to its last point. Every pass is padded by a
+    sleep that grows slowly with its tokens (the row's last point at ~1.7x its first), so that
+    nothing but the staged stall could reach the ratio: the test that times the tiny model itself
+    (above) has the rule off, since a real hiccup of its sub-millisecond passes can."""
+    assert profile.STOP_RATIO < 8
+    eng = engine(llama, speculate=False)
+    backend, launch = eng.backend, eng.backend.launch
+    stalled, seen = {"passes": 0}, set()
+
+    def padded_with_one_stall(rows, batch, active):
+        n_rows, per_row = rows.stop, batch.tokens.size // max(rows.stop, 1)
+        seen.add((n_rows, per_row))
+        time.sleep(0.02 + 0.0002 * per_row * n_rows)
+        if (n_rows, per_row) == (1, 9) and stalled["passes"] < 2:
+            stalled["passes"] += 1
+            time.sleep(0.16)
+        return launch(rows, batch, active)
+
+    backend.launch = padded_with_one_stall
+    try:
+        prof = profile.measure(backend)
+    finally:
+        backend.launch = launch
+    assert stalled["passes"] == 2  # the point's first timing stalled: both of its passes
+    last = max(t for t in profile.PROFILE_TOKENS if t <= backend.capacity - 256 // 2)
+    assert {(1, t) for t in profile.PROFILE_TOKENS if t <= 9} <= seen
+    assert (1, 13) in seen and (1, last) in seen, sorted(seen)  # the row went on past the stall
+    j = prof.tokens.index(9)
+    assert prof.seconds[0][j] < 2 * prof.seconds[0][0], prof.seconds[0]
+
+
 def test_the_prior_speculates_at_batch_one_and_not_at_large_batches(llama, profiles):
     eng = engine(llama, speculate=False)
     prior = profile.prior(eng.backend)
