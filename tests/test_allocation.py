@@ -16,7 +16,14 @@ import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.factory import build_allocator
 from sssd.serving.engine.params import SamplingParams
-from sssd.serving.planning.allocation import CENTERS, AcceptanceModel, BatchAllocator, fit_gamma, select
+from sssd.serving.planning.allocation import (
+    CENTERS,
+    AcceptanceModel,
+    BatchAllocator,
+    fit_gamma,
+    select,
+    update_mean,
+)
 from sssd.serving.planning.planner import BudgetPlanner
 from sssd.tree import DraftBatch
 
@@ -368,6 +375,44 @@ def test_plain_steps_are_measured_and_drafting_stops_where_it_loses_to_them():
     assert alloc.report()["buckets"][4]["gain_over_plain"] < 1.0
     turns = [alloc.drafts(4) for _ in range(4 * alloc.PROBE_MAX)]
     assert 0 < sum(turns) <= 4 * alloc.PROBE_MAX // alloc.PROBE_EVERY  # only probes draft
+
+
+def test_one_slow_first_speculative_step_does_not_keep_the_gate_shut():
+    """A bucket's first speculative step stalls (1 token in 240 ms beside 60 ms plain steps: a
+    one-off), and every later one wins (2 tokens in 80 ms). Its means start as plain means, so two
+    winning probes outweigh the stall and drafting resumes; a mean started at its first value needed
+    five probes, 184 steps apart in all as each loss doubled the interval."""
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    alloc.observe_plain(1, 0.06)
+    scores = [np.full(8, 0.5, np.float32)]
+
+    def step(tokens: int, seconds: float) -> None:
+        a = alloc.allocate([1], np.ones(1, bool), scores)
+        alloc.observe(1, int(a.counts.sum()) or 1, seconds - 0.002, seconds, tokens, a.tokens_per_second, (2.0, 0.08))
+
+    step(1, 0.24)
+    assert alloc.report()["buckets"][1]["gain_over_plain"] < 1.0
+    turns = 0
+    while alloc._losing(1) and turns < 400:
+        turns += 1
+        if alloc.drafts(1):
+            step(2, 0.08)
+    assert turns <= 40, turns
+    rep = alloc.report()["buckets"][1]
+    assert rep["step_ms"][1] < 2 * 80 and rep["measured_tokens_per_s"] > 10  # the stall no longer stands for the past
+
+
+def test_update_mean_starts_as_the_plain_mean_and_decays_as_an_exponential_one():
+    means, weights = {}, {}
+    for x in (3.0, 1.0, 2.0):
+        update_mean(means, weights, "k", x, 0.5)
+    assert means["k"] == pytest.approx((0.25 * 3 + 0.5 * 1 + 2) / (0.25 + 0.5 + 1))
+    update_mean(means, weights, "v", [1.0, 10.0], 0.9)
+    update_mean(means, weights, "v", [3.0, 30.0], 0.9)
+    assert means["v"] == pytest.approx([(0.9 + 3) / 1.9, (9 + 30) / 1.9])
+    for _ in range(500):  # long after the start: the usual exponential mean's weight on the new value
+        update_mean(means, weights, "k", 2.0, 0.5)
+    assert update_mean(means, weights, "k", 4.0, 0.5) == pytest.approx(2.0) and means["k"] == pytest.approx(3.0)
 
 
 def test_probes_that_keep_losing_come_less_often_and_one_that_wins_resets_them():

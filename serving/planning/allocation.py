@@ -65,6 +65,24 @@ def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
     return np.exp(0.5 * (lo + hi))
 
 
+def update_mean(means: dict, weights: dict, key, value, decay: float):
+    """Moves `means[key]` (a number, or a list of numbers) to an exponential mean with `value`
+    (weight `decay` per update on the past), its weights normalised over the values seen so far, so
+    that it starts as the plain mean: the first value does not stand for the whole past. (Started
+    at its first value instead, a bucket's mean let one slow first speculative step, a one-off at
+    236 ms against the 85 predicted, keep its gate shut for a whole run: RESULTS.md, 2026-11-30.)
+    Returns the mean before (None at the first)."""
+    w = weights[key] = decay * weights.get(key, 0.0) + 1.0
+    old = means.get(key)
+    if old is None:
+        means[key] = list(value) if isinstance(value, list) else value
+    elif isinstance(old, list):
+        means[key] = [o + (v - o) / w for o, v in zip(old, value)]
+    else:
+        means[key] = old + (value - old) / w
+    return old
+
+
 def worth(scores: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
     """A node's probability of being accepted: its calibrated score ** gamma."""
     return np.power(np.clip(scores, 1e-6, 1.0), gamma)
@@ -285,8 +303,13 @@ class BatchAllocator:
         self._ratio_sums: dict[int, list] = {}  # batch bucket -> [emitted, expected, steps] beyond the bonus
         #: batch bucket -> [gain over plain, steps] of the counterfactual steps since its last probe
         self._counterfactual: dict[int, list] = {}
+        self._weights: dict[str, dict] = {}  # mean -> batch bucket -> its normalising weight (update_mean)
         self.steps = self.empty_steps = self.plain_steps = 0
         self.counterfactual_steps = self.called_probes = 0
+
+    def _mean(self, name: str, key: int, value, decay: float):
+        """update_mean of the mean `self.<name>[key]`; returns the mean before."""
+        return update_mean(getattr(self, name), self._weights.setdefault(name, {}), key, value, decay)
 
     def use_time(self, time: Callable[[int, np.ndarray], np.ndarray]) -> None:
         """Allocates by `time` from now on (a measured profile replacing the prior): what was
@@ -296,6 +319,8 @@ class BatchAllocator:
         self._scale.clear()
         self._caps.clear()
         self._gain.clear()
+        self._weights.pop("_scale", None)
+        self._weights.pop("_gain", None)
         self._probe.clear()
         self._counterfactual.clear()
 
@@ -470,18 +495,14 @@ class BatchAllocator:
         key = self.bucket(batch)
         if forward_seconds > 0:
             ratio = forward_seconds / float(np.asarray(self.time(batch, np.array([(batch + drafted) / batch])))[0])
-            old = self._scale.get(key)
-            self._scale[key] = ratio if old is None else self.DECAY * old + (1 - self.DECAY) * ratio
+            self._mean("_scale", key, ratio, self.DECAY)
             self._fit(batch).observe(batch + drafted, cached, drafted, forward_seconds)
-            extra = max(step_seconds - forward_seconds, 0.0)
-            old = self._overhead.get(key)
-            self._overhead[key] = extra if old is None else self.DECAY * old + (1 - self.DECAY) * extra
+            self._mean("_overhead", key, max(step_seconds - forward_seconds, 0.0), self.DECAY)
             self._caps.pop(batch, None)
         if key in self._plain and step_seconds > 0 and drafted:  # measured against measured plain steps
             plain_rate = self._plain_rows[key] / self._plain[key]
             gain = (tokens / step_seconds) / plain_rate
-            old = self._gain.get(key)
-            self._gain[key] = gain if old is None else 0.8 * old + 0.2 * gain
+            old = self._mean("_gain", key, gain, 0.8)
             if self._gain[key] < 1.0 and old is not None and old < 1.0:  # a probe that lost: probe less often
                 self._probe[key] = min(2 * self._probe.get(key, self.PROBE_EVERY), self.PROBE_MAX)
             elif self._gain[key] >= 1.0:
@@ -495,13 +516,9 @@ class BatchAllocator:
             if sums[2] >= self.RATIO_STEPS:
                 self._ratio[key] = float(np.clip(sums[0] / sums[1], *self.RATIO_RANGE))
         if expected is not None and step_seconds > 0:  # where a misprediction comes from: tokens or time
-            now = [expected[0], float(tokens), expected[1], step_seconds]
-            e = self._parts.setdefault(key, now)
-            e[:] = [0.95 * x + 0.05 * y for x, y in zip(e, now)]
+            self._mean("_parts", key, [expected[0], float(tokens), expected[1], step_seconds], 0.95)
         if predicted is not None and step_seconds > 0:
-            r = self.rates.setdefault(key, [predicted, tokens / step_seconds])
-            r[0] = 0.95 * r[0] + 0.05 * predicted
-            r[1] = 0.95 * r[1] + 0.05 * tokens / step_seconds
+            self._mean("rates", key, [predicted, tokens / step_seconds], 0.95)
 
     def observe_plain(self, batch: int, step_seconds: float, forward_seconds: float = 0.0, cached: int = 0) -> None:
         """A plain step's wall time (no drafting, no draft verified), and its forward pass over
@@ -512,9 +529,8 @@ class BatchAllocator:
         if forward_seconds > 0:
             self._fit(batch).observe(batch, cached, 0, forward_seconds)
         self.plain_steps += 1
-        old, rows = self._plain.get(key), self._plain_rows.get(key)
-        self._plain[key] = step_seconds if old is None else self.DECAY * old + (1 - self.DECAY) * step_seconds
-        self._plain_rows[key] = batch if rows is None else self.DECAY * rows + (1 - self.DECAY) * batch
+        self._mean("_plain", key, step_seconds, self.DECAY)
+        self._mean("_plain_rows", key, float(batch), self.DECAY)
         self._caps.pop(batch, None)
 
     def report(self) -> dict:
