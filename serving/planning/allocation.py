@@ -69,8 +69,9 @@ def update_mean(means: dict, weights: dict, key, value, decay: float):
     """Moves `means[key]` (a number, or a list of numbers) to an exponential mean with `value`
     (weight `decay` per update on the past), its weights normalised over the values seen so far, so
     that it starts as the plain mean: the first value does not stand for the whole past. (Started
-    at its first value instead, a bucket's mean let one slow first speculative step, a one-off at
-    236 ms against the 85 predicted, keep its gate shut for a whole run: RESULTS.md, 2026-11-30.)
+    at its first value instead, one slow first speculative step held a batch-1 bucket's mean step
+    at 236 ms against the 85 predicted after 7 steps and kept its gate shut for a whole run:
+    RESULTS.md, 2026-11-30.)
     Returns the mean before (None at the first)."""
     w = weights[key] = decay * weights.get(key, 0.0) + 1.0
     old = means.get(key)
