@@ -52,3 +52,27 @@ def default_config(output: str | Path | None = None, **overrides: Any) -> BuildC
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def ensure_built(log=None) -> bool:
+    """Builds the default datastore into ``sssd.default_datastore_path()`` unless it is there (a
+    manifest), with progress on stderr: what ``sssd serve``, ``sssd draft`` and ``sssd.LLM()`` do
+    the first time they need it (about 20-60 s). Returns whether it built it.
+
+    Raises:
+        FileNotFoundError: the data packages are missing (the message gives the pip command).
+    """
+    import sys
+
+    from sssd.datastore_builder.build import build_datastore, terminate_as_interrupt
+    from sssd.paths import default_datastore_path
+
+    path = default_datastore_path()
+    if (path / "manifest.json").exists():
+        return False
+    if log is None:
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"The default datastore is not built yet: building it now into {path} (once; about a minute).")
+    with terminate_as_interrupt():
+        log(build_datastore(default_config(log=log)).summary())
+    return True

@@ -26,12 +26,21 @@ from sssd.serving.engine.params import SamplingParams
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def _drafts_with_retrieval(draft: Sequence[Any] | str | None) -> bool:
+    """Whether the draft list names retrieval (which drafts from the datastore)."""
+    if draft is None:
+        return False
+    items = [s.strip() for s in draft.split(",")] if isinstance(draft, str) else list(draft)
+    return any(isinstance(s, str) and s.split(":", 1)[0].strip() == "retrieval" for s in items)
+
+
 class LLM:
     """A target model with SSSD speculation, for batch generation.
 
     Args:
         model: a model name from `sssd models list` or a local Hugging Face model folder.
-        datastore: a Datastore, a directory, "default", or None (draft from the prompt only);
+        datastore: a Datastore, a directory, "default" (built on first use where retrieval drafts,
+            as `sssd serve` does), or None (draft from the prompt only);
             or a list of them: the first drafts with the input source, each other one as a
             draft source of its own (sssd.datastore_source.DatastoreSource).
         drafter: a DrafterConfig, a CalibrationFile, or a config / `sssd calibrate` parameter
@@ -59,6 +68,12 @@ class LLM:
         **engine: Any,
     ):
         draft = draft if speculate else []
+        if isinstance(datastore, str) and datastore == "default" and _drafts_with_retrieval(draft):
+            # as `sssd serve` does: the default datastore is built the first time it is needed
+            # (the model is pulled on first use too)
+            from sssd.datastore_builder.default import ensure_built
+
+            ensure_built()
         engine = _fit_threads(engine)
         self.engine = LLMEngine(
             model,

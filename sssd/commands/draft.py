@@ -10,22 +10,9 @@ from sssd.cli import command
 
 def ensure_default_datastore() -> None:
     """Builds the default datastore the first time it is needed (about a minute)."""
-    import sys
+    from sssd.datastore_builder.default import ensure_built
 
-    from sssd.paths import default_datastore_path
-
-    path = default_datastore_path()
-    if (path / "manifest.json").exists():
-        return
-    print(
-        f"The default datastore is not built yet: building it now into {path} (once; about a minute).", file=sys.stderr
-    )
-    from sssd.datastore_builder.build import build_datastore, terminate_as_interrupt
-    from sssd.datastore_builder.default import default_config
-
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    with terminate_as_interrupt():
-        print(build_datastore(default_config(log=log)).summary(), file=sys.stderr)
+    ensure_built()
 
 
 @command("draft", help="Draft continuations of a text (or token ids) from the datastore and the text itself.")
