@@ -381,7 +381,7 @@ def test_one_slow_first_speculative_step_does_not_keep_the_gate_shut():
     """A bucket's first speculative step stalls (1 token in 240 ms beside 60 ms plain steps: a
     one-off), and every later one wins (2 tokens in 80 ms). Its means start as plain means, so two
     winning probes outweigh the stall and drafting resumes; a mean started at its first value needed
-    five probes, 184 steps apart in all as each loss doubled the interval."""
+    five probes over 189 steps, as each loss doubled the interval."""
     alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
     alloc.observe_plain(1, 0.06)
     scores = [np.full(8, 0.5, np.float32)]

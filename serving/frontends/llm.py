@@ -21,17 +21,15 @@ from typing import Any, Sequence
 
 from sssd.serving.engine import DEFAULT_DRAFT, EngineConfig, LLMEngine, RequestOutput
 from sssd.serving.engine.params import SamplingParams
+from sssd.sources import parse_specs
 
 #: The project's default target model (see `sssd models list`).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _drafts_with_retrieval(draft: Sequence[Any] | str | None) -> bool:
-    """Whether the draft list names retrieval (which drafts from the datastore)."""
-    if draft is None:
-        return False
-    items = [s.strip() for s in draft.split(",")] if isinstance(draft, str) else list(draft)
-    return any(isinstance(s, str) and s.split(":", 1)[0].strip() == "retrieval" for s in items)
+    """Whether the draft list names retrieval (which drafts from the `datastore` argument)."""
+    return ("retrieval", "") in parse_specs(draft)
 
 
 class LLM:
