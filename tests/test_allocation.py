@@ -115,6 +115,27 @@ def test_the_candidate_budget_follows_what_verifying_costs():
     assert dear.candidate_budget(64) < dear.candidate_budget(4) <= 64
 
 
+def test_a_row_is_drafted_as_deep_as_its_request_was_last_given():
+    """A request the allocation gave nothing gets DEPTH_MIN candidates next step, one given k gets
+    DEPTH_GROWTH x k (within the bucket's candidate budget), a new one the full budget; a row
+    without a tree this step keeps its depth; a finished request's depth is forgotten."""
+    alloc = BatchAllocator(lambda rows, t: 0.1 + 0.002 * rows * np.asarray(t, dtype=float), max_budget=64)
+    ids, greedy = [1, 2, 3, 4], np.ones(4, dtype=bool)
+    assert alloc.candidate_depths(ids, 4).tolist() == [64] * 4
+    # at 4 rows and ~70 tokens a node pays if accepted with probability above ~0.6
+    sure, likely, never = np.full(64, 0.99, np.float32), np.r_[np.full(3, 0.9), np.full(61, 0.1)], np.full(64, 0.05)
+    counts = alloc.allocate(ids, greedy, [sure, likely, never, np.zeros(0, np.float32)]).counts
+    assert counts.tolist() == [64, 3, 0, 0]
+    assert alloc.candidate_depths(ids, 4).tolist() == [64, 12, alloc.DEPTH_MIN, 64]
+    # the 8 candidates of request 3 all pay now: 4x as deep next step, then the budget
+    alloc.allocate([3], greedy[:1], [np.full(8, 0.99, np.float32)])
+    assert alloc.candidate_depths([3], 1).tolist() == [32]
+    alloc.allocate([3], greedy[:1], [np.full(32, 0.99, np.float32)])
+    assert alloc.candidate_depths([3], 1).tolist() == [64]
+    alloc.forget(2)
+    assert alloc.candidate_depths([2], 4).tolist() == [64] and 2 not in alloc._depth
+
+
 def test_a_step_that_writes_a_prompt_chunk_chooses_as_the_same_step_without_it():
     """Verifying costs 20 ms a token and nothing else: a node worth less than a token never pays
     for it. A pass that also wrote 100 prompt tokens measured 2 s more; that chunk is paid whatever
@@ -267,6 +288,7 @@ def test_greedy_output_is_plain_output_and_rows_get_different_budgets(llama):
     assert [o.token_ids for o in outs] == want
     per_step = [b for o in outs for b in o.stats["budgets"]]
     assert spec.allocator.steps > 0 and spec.allocator.acceptance.rows == {}  # finished requests forgotten
+    assert spec.allocator._depth == {}
     assert spec.metrics.accepted_by_source
     assert len(set(per_step)) > 2  # not one budget for everyone
 

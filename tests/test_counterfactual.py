@@ -152,6 +152,28 @@ def test_counterfactual_steps_that_would_have_paid_call_a_probe_and_ones_that_wo
     assert alloc._parts[4][3] == pytest.approx(0.1) and alloc._parts[4][2] == pytest.approx(0.1)
 
 
+def test_counterfactual_cadence_follows_the_probe_interval():
+    """Counterfactual drafting costs a drafting step's preparation: every gated step while probes
+    come every PROBE_EVERY steps, one in 8 once losing probes stretched the interval to PROBE_MAX,
+    and every step again once a probe wins; still enough to call a probe before one is due."""
+    alloc = losing_allocator()  # its probes lost until the interval reached PROBE_MAX
+    assert alloc.counterfactual_every(4) == alloc.PROBE_MAX // alloc.PROBE_EVERY == 8
+    fired = [alloc.counterfactual(4) for _ in range(4 * alloc.PROBE_MAX)]
+    at = np.flatnonzero(fired)  # (losing_allocator's check was the first gated step: it fired)
+    assert len(at) == 4 * alloc.PROBE_MAX // 8 and set(np.diff(at)) == {8}
+    assert alloc.report()["buckets"][4]["counterfactual_every"] == 8
+    # COUNTERFACTUAL_STEPS of them come well within the interval
+    assert alloc.COUNTERFACTUAL_STEPS * alloc.counterfactual_every(4) <= alloc.PROBE_MAX // 2
+    alloc._probe[4] = 2 * alloc.PROBE_EVERY  # one losing probe: every other gated step
+    assert sum(alloc.counterfactual(4) for _ in range(8)) == 4
+    a = alloc.allocate([1, 2, 3, 4], np.ones(4, bool), [np.full(8, 0.9, np.float32)] * 4)
+    alloc.observe(4, int(a.counts.sum()), 0.04, 0.04, 20, a.tokens_per_second, expected=(20.0, 0.04))
+    alloc.observe(4, int(a.counts.sum()), 0.04, 0.04, 20, a.tokens_per_second, expected=(20.0, 0.04))
+    assert not alloc.counterfactual(4)  # probes won: the bucket drafts, no counterfactual needed
+    alloc._gain[4] = 0.5  # it loses again, its interval back at the start: every gated step
+    assert all(alloc.counterfactual(4) for _ in range(8)) and alloc.counterfactual_every(4) == 1
+
+
 def test_steps_kept_plain_learn_what_drafting_would_have_given_and_change_no_output(llama):  # noqa: F811
     """A gate that loses throughout (every speculative step measured slower than plain ones):
     the steps it keeps plain draft counterfactual trees, which resolve against the emitted tokens

@@ -356,7 +356,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s: closing its drafter state failed (%s)", req.id, e)
         if self.allocator is not None:
-            self.allocator.acceptance.forget(req.id)
+            self.allocator.forget(req.id)
             self.decode_step.request_ended(req.id)
         req.status = Status.FINISHED
         req.finish_reason = reason

@@ -107,6 +107,8 @@ class DecodeStep:
             budget = eng.planner.budget(B) if eng.drafting is not None else 0
         cap = budget
         budgets = np.fromiter((budget if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
+        if budget and allocator is not None:  # each row as deep as its request was last given (DEPTH_MIN)
+            budgets = np.minimum(budgets, allocator.candidate_depths([r.id for r in reqs], B))
         if not budgets.any():
             budget = 0  # nobody drafts: the step is plain decoding (for the planner and the metrics too)
         mode = eng.mode_chooser.mode(B) if eng.mode_chooser is not None and budget else "serial"
@@ -170,8 +172,8 @@ class DecodeStep:
             return 0.0
         t0 = time.perf_counter()
         B = len(reqs)
-        cap = eng.allocator.candidate_budget(B)
-        budgets = np.fromiter((cap if r.params.speculate and r.draft else 0 for r in reqs), dtype=np.int32, count=B)
+        depths = eng.allocator.candidate_depths([r.id for r in reqs], B)
+        budgets = np.fromiter((d if r.params.speculate and r.draft else 0 for r, d in zip(reqs, depths)), np.int32, B)
         if not budgets.any():
             return 0.0
         if eng.drafting.defers:  # a draft model's pass is no price for a counterfactual: retrieval's trees
