@@ -170,6 +170,7 @@ class SSSDProposer:
         #: the last call: (when it returned, tokens it sent to verify, rows, rows sent a chain, longest chain)
         self._last: tuple | None = None
         self._failed = False
+        self.clock = time.perf_counter  # what steps are timed by (an offline replay sets its own)
         self.timing = StepTiming()
         self._pending: tuple[int, float, float] | None = None  # the last call: (batch, propose s, its start)
         self._continued = 0  # rows of the current call that continue a row held from an earlier call
@@ -248,7 +249,7 @@ class SSSDProposer:
         slot_mappings: Any = None,
         **kwargs: Any,
     ) -> list[list[int]]:
-        now = time.perf_counter()
+        now = self.clock()
         batch = len(sampled_token_ids)
         self._continued = 0
         self._prefilled = 0
@@ -263,7 +264,7 @@ class SSSDProposer:
             self._forget_rows()
             self.sent.clear()
             out = [[] for _ in range(batch)]
-        end = time.perf_counter()
+        end = self.clock()
         self._time(batch, now, end)
         lengths = [len(c) for c in out]
         self._last = (end, batch + sum(lengths), batch, sum(n > 0 for n in lengths), max(lengths, default=0))

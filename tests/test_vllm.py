@@ -232,14 +232,14 @@ def test_a_cell_is_summarized_over_its_rounds_against_plain_of_the_same_round():
     timing.call(1, 0.002)
     timing.step(1, 0.002, 0.020)
     runs = [
-        _run("plain", 0, 10.0),
-        _run("plain", 1, 20.0),  # the machine twice as fast in round 1: ratios are taken within a round
-        _run("suffix", 0, 12.0, spec_decode=sd),
+        _run("plain", 0, 10.0, latency_s=4.0),
+        _run("plain", 1, 20.0, latency_s=2.0),  # the machine twice as fast in round 1: ratios are taken within a round
+        _run("suffix", 0, 12.0, spec_decode=sd),  # (no latency: vLLM reported no request metrics)
         _run("suffix", 1, 22.0, spec_decode=sd),
         _run("suffix-tuned", 0, 14.0, spec_decode=sd),
         _run("suffix-tuned", 1, 26.0, spec_decode=sd),
-        _run("sssd", 0, 15.0, spec_decode=sd, timing=timing.sums()),
-        _run("sssd", 1, 28.6, ids=((1, 2, 4),), spec_decode=sd, timing=timing.sums()),  # round 1 differs
+        _run("sssd", 0, 15.0, spec_decode=sd, timing=timing.sums(), latency_s=2.5),
+        _run("sssd", 1, 28.6, ids=((1, 2, 4),), spec_decode=sd, timing=timing.sums(), latency_s=1.0),  # round 1 differs
     ]
     cells = {c["method"]: c for c in vllm_report.cells(runs, ["plain", "suffix", "suffix-tuned", "sssd"])}
     assert list(cells) == ["plain", "suffix", "suffix-tuned", "sssd"]
@@ -253,11 +253,16 @@ def test_a_cell_is_summarized_over_its_rounds_against_plain_of_the_same_round():
     assert s["draft_share"] == 0.1 and s["propose_ms"] == 2.0 and s["timing"]["1"]["steps"] == 2
     assert cells["plain"]["ratio_to_plain"] == 1.0 and cells["suffix"]["identical"]
     assert "vs_best_suffix" not in cells["suffix"] and "draft_share" not in cells["suffix"]
+    assert s["latency_s"] == 1.75 and s["latency_vs_plain"] == pytest.approx((4.0 / 2.5 + 2.0 / 1.0) / 2)
+    assert "latency_s" not in cells["suffix"] and cells["plain"]["latency_vs_plain"] == 1.0
     rows = vllm_report.table(list(cells.values()), {"ngram": "not asked"}).splitlines()
-    assert rows[2].startswith("| chat | 4 | plain | 15.0 (10.0, 20.0) | 1.00× |")
-    assert rows[5].startswith("| chat | 4 | sssd | 21.8 (15.0, 28.6) | 1.47× | 1.09× (suffix-tuned) | 3.00 | 80 | 40 |")
+    assert rows[2].startswith("| chat | 4 | plain | 15.0 (10.0, 20.0) | 1.00× |  | 1.00× (3.0 s) |")
+    assert rows[3].startswith("| chat | 4 | suffix | 17.0 (12.0, 22.0) | 1.15× |  |  | 3.00 |")
+    assert rows[5].startswith(
+        "| chat | 4 | sssd | 21.8 (15.0, 28.6) | 1.47× | 1.09× (suffix-tuned) | 1.80× (1.8 s) | 3.00 | 80 | 40 |"
+    )
     assert rows[5].endswith("| 10.0% | **no** |")
-    assert rows[6] == "| | | ngram | skipped: not asked | | | | | | | |"
+    assert rows[6] == "| | | ngram | skipped: not asked | | | | | | | | |"
 
 
 def test_plain_without_async_scheduling_prices_what_vllm_gives_up_for_host_proposers():
@@ -418,6 +423,7 @@ def test_vllm_runs_interleave_rounds(compare_report):
 def test_vllm_with_sssd_drafting_is_token_identical(compare_report):
     for cell in _cells(compare_report, "sssd").values():
         assert cell["identical_rounds"] == [True, True] and cell["tokens_per_s"] > 0
+        assert cell["latency_s"] > 0 and cell["latency_vs_plain"] > 0  # vLLM's request metrics were read
     assert all(len(c["tokens_per_s_rounds"]) == 2 for c in compare_report["cells"])
 
 

@@ -51,7 +51,9 @@ draft tokens, accepted tokens) with the figures vLLM's log derives from them
 tokens; ``tokens_per_step`` = output tokens / (output tokens - accepted)), whether every round's
 outputs are token-identical to plain's, for SSSD its ratio to the better suffix method of the cell
 and what drafting costs inside vLLM's worker (the proposer's SSSD_VLLM_TIMING file: mean propose
-ms and drafting's share of the step time, per batch-size bucket), and the sweep's results.
+ms and drafting's share of the step time, per batch-size bucket), the requests' mean latency (queued
+to last token, from vLLM's request metrics) and plain's over it, round by round, and the sweep's
+results.
 tests/test_vllm.py drives it.
 """
 
@@ -213,6 +215,7 @@ def run_engine(
         seconds = time.perf_counter() - t0
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
         run = {"tokens": sum(map(len, token_ids)), "seconds": round(seconds, 3), "token_ids": token_ids}
+        run["latency_s"] = request_latency(outs)
         run["spec_decode"] = _minus(_counters(llm), before) if spec else {}
         if timing:
             sums_after = _timing_sums(timing, time.time())
@@ -227,6 +230,22 @@ def run_engine(
     if timing:
         Path(timing).unlink(missing_ok=True)
     return out
+
+
+def request_latency(outs: list) -> float | None:
+    """The requests' mean time from being queued to their last token (vLLM's engine-core timestamps,
+    kept while its stats are on), or None where vLLM reports none. All of a set's requests are queued
+    at once, so this is what a user waits for an answer: a request that waits for a row counts its
+    wait. Where the set fits in one wave (16 prompts at 16 rows) tokens/s is the last request's
+    finish, and speculation that speeds up most rows but not the slowest shows here alone."""
+    spans = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        queued, last = getattr(m, "queued_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        if not (queued and last and last >= queued):
+            return None
+        spans.append(last - queued)
+    return round(statistics.fmean(spans), 4) if spans else None
 
 
 def _timing_sums(path: str | None, newer_than: float) -> dict | None:

@@ -164,7 +164,8 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
     Per cell: tokens/s each round and their median; the ratio to plain vLLM of the same round, each
     round and the median (and to ``plain-sync``, plain with asynchronous scheduling off, where it
     ran: what a speculative method's drafts earn apart from the scheduling vLLM gives up); vLLM's counters summed over rounds and their figures; whether every
-    round's outputs are token-identical to plain's of the same round; for SSSD the drafting share
+    round's outputs are token-identical to plain's of the same round; the requests' mean latency
+    (queued to last token) and plain's over it in the same round (> 1: answers come sooner); for SSSD the drafting share
     of the step (its proposer's timing) and the ratio to the best suffix method of the cell (the
     suffix method with the higher median tokens/s), round by round and the median.
     """
@@ -206,6 +207,11 @@ def cells(runs: Sequence[dict], methods: Sequence[str]) -> list[dict]:
                 "identical": all(x is True for x in identical),
                 "identical_rounds": identical,
             }
+            lat = [rounds[r].get("latency_s") for r in order]
+            if all(lat):
+                cell["latency_s"] = _median(lat)
+                vs_lat = [plain[r]["latency_s"] / x for r, x in zip(order, lat) if plain.get(r, {}).get("latency_s")]
+                cell["latency_vs_plain"] = _median(vs_lat)
             if sync and m not in ("plain", "plain-sync"):
                 vs_sync = [t / (sync[r]["tokens"] / sync[r]["seconds"]) for r, t in zip(order, tps) if r in sync]
                 cell["ratio_to_plain_sync"] = _median(vs_sync)
@@ -244,8 +250,9 @@ def table(cells_: Sequence[dict], skipped: dict[str, str] | None = None) -> str:
     """The cells as one markdown table (rows by set, then concurrency, then method)."""
     rows = [
         "| set | seqs | method | tokens/s (median; rounds) | vs plain | SSSD vs best suffix "
-        "| mean acceptance length | draft tokens | accepted | drafting share | identical to plain |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| request latency vs plain | mean acceptance length | draft tokens | accepted | drafting share "
+        "| identical to plain |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in cells_:
         each = ", ".join(f"{t:.1f}" for t in c["tokens_per_s_rounds"])
@@ -253,13 +260,14 @@ def table(cells_: Sequence[dict], skipped: dict[str, str] | None = None) -> str:
         share = c.get("draft_share")
         sync = f" ({c['ratio_to_plain_sync']:.2f}× sync)" if c.get("ratio_to_plain_sync") is not None else ""
         same = "(reference)" if c["method"] == "plain" else ("yes" if c["identical"] else "**no**")
+        latency = f"{c['latency_vs_plain']:.2f}× ({c['latency_s']:.1f} s)" if c.get("latency_vs_plain") else ""
         rows.append(
             f"| {c['set']} | {c['num_seqs']} | {c['method']} | {c['tokens_per_s']:.1f} ({each}) "
-            f"| {_fmt(c['ratio_to_plain'], '.2f')}×{sync} | {vs} | {_fmt(c['mean_acceptance_length'], '.2f')} "
+            f"| {_fmt(c['ratio_to_plain'], '.2f')}×{sync} | {vs} | {latency} | {_fmt(c['mean_acceptance_length'], '.2f')} "
             f"| {c['draft_tokens']} | {c['accepted']} | {'' if share is None else f'{share:.1%}'} | {same} |"
         )
     for method, why in (skipped or {}).items():
-        rows.append(f"| | | {method} | skipped: {why} | | | | | | | |")
+        rows.append(f"| | | {method} | skipped: {why} | | | | | | | | |")
     return "\n".join(rows)
 
 
