@@ -120,10 +120,10 @@ def replay(
             want = outputs[r][made[r] :]
             m = accepted_prefix(chain, want)
             out.sent.append((step, r, len(chain)))
-            gain = min(m + 1, len(want))
+            gain = min(m + 1, len(want))  # the accepted tokens and the one vLLM samples after them
             new[r] = [int(t) for t in want[:gain]]
             made[r] += gain
-            got += min(m, gain)
+            got += m
             if made[r] >= len(outputs[r]):
                 del slots[row]
                 out.finished[r] = step
@@ -315,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     outputs = report["outputs"][key]
     from sssd.serving.frontends import vllm_report
 
-    room = report.get("max_model_len", 4096) - report["max_tokens"] - k - 1
-    _, prompts, _ = vllm_report.prompt_set(args.set, "eval", len(outputs), vllm_report.chat_encoder(args.model), room)
+    ids = report["sets"][args.set]["eval"]  # the prompts the report ran, by id (its split and length limit)
+    messages = dict(vllm_report.records(args.set))
+    encode = vllm_report.chat_encoder(args.model)
+    prompts = [encode(messages[i]) for i in ids]
     if len(prompts) != len(outputs):
         raise SystemExit(
-            f"bench_vllm_replay: {len(prompts)} prompts of {args.set} fit, the report has {len(outputs)} outputs"
+            f"bench_vllm_replay: the report lists {len(prompts)} prompts of {args.set} but {len(outputs)} outputs"
         )
     prefill = None
     if args.step_model:
