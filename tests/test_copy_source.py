@@ -225,6 +225,55 @@ def test_an_edit_made_once_is_proposed_again_where_the_source_has_it_again():
     assert any(p[:20] == tuple(edited[30:50]) for p in paths)  # the next site (40) edited as before
 
 
+def numbered_listing(rng, lines: int, first: int = 40):
+    """A file read with numbered lines (tool output: "\\n", spaces, the line's digits, " |", the
+    line) and the same lines written back without their numbers, as token ids: 1 newline, 2 spaces,
+    3 " |", 10-19 digits, line contents from 100 up."""
+    body = [rng.integers(100, 1000, int(rng.integers(4, 9))).tolist() for _ in range(lines)]
+    listing, written = [], []
+    for k, line in enumerate(body):
+        listing += [1, 2] + [10 + int(c) for c in str(first + k)] + [3] + line
+        written += [1] + line
+    return listing, written
+
+
+def test_lines_read_with_numbers_are_written_back_without_them_across_line_breaks():
+    """Once the output has dropped two lines' numbers, its copy reads on across the next line breaks:
+    the edit (remove newline, spaces, digits, " |"; write a newline) applies at sites whose digits differ."""
+    rng = np.random.default_rng(11)
+    listing, written = numbered_listing(rng, 12)
+    cut = written.index(1, written.index(1, 1) + 1) + 3  # two lines written, then 2 tokens of the third
+    prefix = listing + [7, 8] + written[:cut]
+    tree = sssd.Drafter(None, sssd.DrafterConfig(budget=64, use_datastore=False)).draft_prefix(prefix, 64)
+    best = max(tree_paths(tree), key=lambda p: _common(p, written[cut:]))
+    assert _common(best, written[cut:]) >= 30  # three more line breaks at least
+    assert sum(1 for t in written[cut : cut + _common(best, written[cut:])] if t == 1) >= 3
+
+
+def test_a_numbered_listing_drafts_the_same_stateful_and_stateless():
+    rng = np.random.default_rng(12)
+    listing, written = numbered_listing(rng, 30, first=95)  # two and three digits
+    written = written[:60] + [5, 5] + written[60:]  # and an edit of its own
+    text = listing + [7] + written
+    d = sssd.Drafter(None, sssd.DrafterConfig(budget=48, use_datastore=False))
+    d.open(0, text[: len(listing) + 1])
+    pos = len(listing) + 1
+    while pos < len(text):
+        k = int(rng.integers(1, 6))
+        d.extend(0, text[pos : pos + k])
+        pos += k
+        a, b = d.draft([0], 48)[0], d.draft_prefix(text[:pos], 48)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        np.testing.assert_array_equal(a.scores, b.scores)
+
+
+def _common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def tree_paths(tree):
     kids: dict[int, list[int]] = {}
     for k, p in enumerate(tree.parents.tolist()):

@@ -9,9 +9,59 @@ CopyIndex::CopyIndex(size_t max_tokens, int min_match, double half_life)
       decay_(half_life > 0 ? std::exp2(-1.0 / half_life) : 0.0) {}
 
 size_t CopyIndex::memory_bytes() const {
-  size_t bytes = sam_.memory_bytes() + edits_.capacity() * sizeof(Edit);
+  size_t bytes = sam_.memory_bytes() + edits_.capacity() * sizeof(Edit) + pending_.capacity() * sizeof(token_t);
   for (const Edit& e : edits_) bytes += (e.removed.capacity() + e.inserted.capacity()) * sizeof(token_t);
   return bytes;
+}
+
+namespace {
+
+// Same length, same first and last tokens, at most kFuzzyMismatch others changed (the fuzzy rule).
+bool fuzzy_equal(const token_t* a, const token_t* b, size_t size) {
+  if (size < CopyIndex::kFuzzyMin || a[0] != b[0] || a[size - 1] != b[size - 1]) return false;
+  size_t changed = 0;
+  for (size_t i = 1; i + 1 < size; ++i) {
+    if (a[i] != b[i] && ++changed > CopyIndex::kFuzzyMismatch) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool CopyIndex::removed_at(const std::vector<token_t>& removed, std::span<const token_t> text, size_t j) {
+  const size_t size = removed.size();
+  if (size == 0 || j + size > text.size()) return false;
+  const token_t* at = text.data() + j;
+  return std::equal(removed.begin(), removed.end(), at) || fuzzy_equal(removed.data(), at, size);
+}
+
+CopyIndex::Resync CopyIndex::resync(std::span<const token_t> context) const {
+  if (enabled_ && via_edit_ && aligned_ && size_t(cursor_) + 1 < context.size()) return {kResyncMax, cursor_};
+  return resync_from(context, cursor_);
+}
+
+bool CopyIndex::start_edit(std::span<const token_t> text, token_t token) {
+  const size_t j = size_t(cursor_) + 1, n = text.size();
+  for (const Edit& e : edits_) {
+    if (e.removed.empty() ? text[cursor_] != e.anchor : !removed_at(e.removed, text, j)) continue;
+    const size_t resume = j + e.removed.size();  // the source's next token after the site
+    if (!e.inserted.empty() && e.inserted[0] == token) {
+      pending_.assign(e.inserted.begin() + 1, e.inserted.end());
+      pending_pos_ = 0;
+      pending_cursor_ = uint32_t(resume - 1);
+      if (pending_.empty()) {
+        cursor_ = pending_cursor_;
+        aligned_ = via_edit_ = true;
+      }
+      return true;
+    }
+    if (e.inserted.empty() && resume < n && text[resume] == token) {  // a deletion, then the source again
+      cursor_ = uint32_t(resume);
+      aligned_ = true;
+      return true;
+    }
+  }
+  return false;
 }
 
 void CopyIndex::append(std::span<const token_t> text, token_t token) {
@@ -22,6 +72,18 @@ void CopyIndex::append(std::span<const token_t> text, token_t token) {
     hits_ = decay_ * hits_ + (text[r.ends[0] + 1] == token ? 1.0 : 0.0);
     trials_ = decay_ * trials_ + 1.0;
   }
+  if (!pending_.empty()) {  // writing a remembered edit's insertion
+    if (token == pending_[pending_pos_]) {
+      sam_.extend(token);
+      if (++pending_pos_ == pending_.size()) {  // written: the copy reads on after the site
+        pending_.clear();
+        cursor_ = pending_cursor_;
+        aligned_ = via_edit_ = true;
+      }
+      return;
+    }
+    pending_.clear();  // the output left the edit too: it diverged at the site
+  }
   if (aligned_ && size_t(cursor_) + 1 < n) count_site(text, token);
   const bool follows = aligned_ && size_t(cursor_) + 1 < n && text[cursor_ + 1] == token;
   sam_.extend(token);
@@ -29,8 +91,9 @@ void CopyIndex::append(std::span<const token_t> text, token_t token) {
     ++cursor_;
     return;
   }
+  const bool left = aligned_;
   if (aligned_) {  // the output leaves the source here
-    aligned_ = false;
+    aligned_ = via_edit_ = false;
     diverged_at_ = uint32_t(n);
   }
   const SuffixAutomaton::Repeat now = sam_.longest_repeat();
@@ -40,6 +103,8 @@ void CopyIndex::append(std::span<const token_t> text, token_t token) {
     aligned_ = true;
     return;
   }
+  // No long repeat to go by: does the output write a remembered edit where it left the source?
+  if (left && size_t(cursor_) + 1 < n && start_edit(text, token)) return;
   if (cursor_ == kNoCursor) return;
   // Does the output rejoin the source it diverged from? (The context now ends with `token`.)
   token_t tail[kResyncMax];  // the context's last tokens, newest first
@@ -73,7 +138,9 @@ void CopyIndex::remember(std::span<const token_t> text, token_t token, uint32_t 
   for (size_t i = removed_begin; i < removed_end; ++i) e.removed.push_back(text[i]);
   for (size_t i = inserted_begin; i < inserted_end; ++i) e.inserted.push_back(at(i));
   const auto same = std::find_if(edits_.begin(), edits_.end(), [&](const Edit& x) {
-    return x.removed == e.removed && x.inserted == e.inserted && (!x.removed.empty() || x.anchor == e.anchor);
+    if (x.inserted != e.inserted || x.removed.size() != e.removed.size()) return false;
+    if (x.removed.empty()) return x.anchor == e.anchor;
+    return x.removed == e.removed || fuzzy_equal(x.removed.data(), e.removed.data(), e.removed.size());
   });
   if (same != edits_.end()) {  // seen again: its site was counted as it was passed (count_site)
     e.applied = same->applied;
@@ -101,12 +168,7 @@ void CopyIndex::count_site(std::span<const token_t> text, token_t token) {
   // The copy is at a site of a remembered edit: did the output edit it again, or copy the source?
   const size_t j = size_t(cursor_) + 1, n = text.size();
   for (Edit& e : edits_) {
-    const bool insertion = e.removed.empty();
-    if (insertion ? text[cursor_] != e.anchor : false) continue;
-    if (!insertion && (j + e.removed.size() > n ||
-                       !std::equal(e.removed.begin(), e.removed.end(), text.begin() + std::ptrdiff_t(j)))) {
-      continue;
-    }
+    if (e.removed.empty() ? text[cursor_] != e.anchor : !removed_at(e.removed, text, j)) continue;
     const size_t after = j + e.removed.size();
     const bool edits = e.inserted.empty() ? (after < n && token == text[after] && token != text[j])
                                           : (token == e.inserted[0] && token != text[j]);
@@ -135,12 +197,10 @@ const CopyIndex::Edit* CopyIndex::follow(std::span<const token_t> context, size_
     const Edit* hit = nullptr;
     for (const Edit& e : edits_) {
       const size_t k = e.removed.empty() ? 1 : 0;  // an insertion follows its anchor
-      if (e.removed.empty() ? context[j] != e.anchor : false) continue;
+      if (e.removed.empty() ? context[j] != e.anchor : !removed_at(e.removed, context, j)) continue;
       if (j + k + e.removed.size() > n) continue;
-      if (std::equal(e.removed.begin(), e.removed.end(), context.begin() + std::ptrdiff_t(j + k))) {
-        hit = &e;
-        break;
-      }
+      hit = &e;
+      break;
     }
     if (!hit) {
       out.push_back(context[j++]);

@@ -102,3 +102,50 @@ TEST(CopyIndex, AnEditIsRememberedAndAppliedAgain) {
   EXPECT_EQ(plain, (std::vector<token_t>{20, 21, 22, 23, 42, 24, 25, 99}));
   EXPECT_EQ(edited, (std::vector<token_t>{20, 21, 22, 23, 43, 24, 25, 99}));
 }
+
+TEST(CopyIndex, AnEditOfFourOrMoreTokensAppliesWhereOnlyTwoInnerTokensDiffer) {
+  // "\n", spaces, two digits, " |": a line number removed; the next line's digits differ.
+  const std::vector<token_t> removed = {1, 2, 14, 15, 3};
+  const auto at = [&](std::vector<token_t> text) { return CopyIndex::removed_at(removed, text, 1); };
+  EXPECT_TRUE(at({9, 1, 2, 14, 15, 3}));   // the same
+  EXPECT_TRUE(at({9, 1, 2, 14, 16, 3}));   // one digit changed
+  EXPECT_TRUE(at({9, 1, 2, 15, 10, 3}));   // two
+  EXPECT_FALSE(at({9, 1, 5, 15, 10, 3}));  // three
+  EXPECT_FALSE(at({9, 4, 2, 14, 15, 3}));  // another first token
+  EXPECT_FALSE(at({9, 1, 2, 14, 15, 4}));  // another last token
+  EXPECT_FALSE(at({9, 1, 2, 14, 15}));     // runs past the text
+  const std::vector<token_t> short_removed = {1, 14, 3};  // under four tokens: exact only
+  EXPECT_TRUE(CopyIndex::removed_at(short_removed, std::vector<token_t>{1, 14, 3}, 0));
+  EXPECT_FALSE(CopyIndex::removed_at(short_removed, std::vector<token_t>{1, 15, 3}, 0));
+}
+
+TEST(CopyIndex, WritingARememberedEditMovesTheCursorPastItsSite) {
+  // Source lines "1 2 <d> <d> 3 <content>" (newline, spaces, two digits, bar); the copy writes
+  // "1 <content>": it follows the newline and deletes "2 <d> <d> 3" before every line.
+  const std::vector<std::vector<token_t>> lines = {{100, 101, 102}, {103, 104, 105}, {106, 107, 108}};
+  std::vector<token_t> text, built;
+  for (size_t k = 0; k < lines.size(); ++k) {
+    text.insert(text.end(), {1, 2, 11, token_t(10 + k), 3});
+    text.insert(text.end(), lines[k].begin(), lines[k].end());
+  }
+  text.push_back(7);
+  const size_t written_from = text.size();
+  for (const auto& line : lines) {
+    text.push_back(1);
+    text.insert(text.end(), line.begin(), line.end());
+  }
+  CopyIndex c(1 << 10, 3, 8);
+  for (const token_t t : text) {
+    c.append(built, t);
+    built.push_back(t);
+    if (built.size() == written_from + 10) {  // "1 106" written: the second edit's site passed
+      ASSERT_TRUE(c.aligned());
+      EXPECT_EQ(c.cursor(), 21u);  // 106 in the source (line 3: positions 16-23)
+    }
+  }
+  // the deletion learnt at the second line, counted again (fuzzily) at the third
+  const auto& e = c.edits()[0];
+  EXPECT_EQ(e.removed, (std::vector<token_t>{2, 11, 11, 3}));
+  EXPECT_TRUE(e.inserted.empty());
+  EXPECT_EQ(e.applied, 2);
+}

@@ -34,6 +34,16 @@
 // copy path read from the source also comes in an edited version, every
 // remembered edit applied where the source has it again; the draft branches
 // between the two.
+//
+// An edit of four or more removed tokens also applies where the source has
+// them again with at most two tokens changed between the same first and last
+// ones: a file read with numbered lines and written back without them removes
+// "\n", spaces, the line's digits and " |" before every line, and only the
+// digits differ from line to line (line numbers, counters, ids). Where the
+// output writes a remembered edit at the cursor's site (and no long repeat
+// points elsewhere), the cursor moves on past the site's removed tokens as
+// the edit's insertion ends: the copy goes on reading the source across it,
+// as it does over copied tokens.
 #pragma once
 
 #include <cmath>
@@ -77,6 +87,9 @@ class CopyIndex {
   static constexpr uint32_t kWindow = 64, kResyncMax = 8, kNear = 3;
   /// Edits remembered, and the longest side of one.
   static constexpr size_t kEdits = 8, kEditMax = 32;
+  /// An edit removing at least kFuzzyMin tokens also applies to a site with the same first and
+  /// last tokens and at most kFuzzyMismatch others changed.
+  static constexpr size_t kFuzzyMin = 4, kFuzzyMismatch = 2;
   static constexpr uint32_t kNoCursor = 0xffffffffu;
 
   /// max_tokens: the automaton's cap (0: no copy source); min_match: shortest repeat that
@@ -88,8 +101,14 @@ class CopyIndex {
 
   /// The context's longest suffix (up to kResyncMax tokens) that ends within kWindow tokens after
   /// the cursor (and before the context's end), the nearest among equals; one token is enough
-  /// within kNear tokens of the cursor (a token replaced in place), elsewhere two.
-  Resync resync(std::span<const token_t> context) const { return resync_from(context, cursor_); }
+  /// within kNear tokens of the cursor (a token replaced in place), elsewhere two. Right after
+  /// the output wrote a remembered edit at the cursor's site (the context ends with its
+  /// insertion, not with source tokens): the cursor itself, as a match of kResyncMax tokens.
+  Resync resync(std::span<const token_t> context) const;
+
+  /// Whether the removed tokens `removed` (not empty) are at position `j` of `text`: exactly, or
+  /// by the fuzzy rule above.
+  static bool removed_at(const std::vector<token_t>& removed, std::span<const token_t> text, size_t j);
 
   /// The source read from `start` for up to `depth` tokens into `out` (cleared first): an
   /// overlapping copy where it runs into the context's end (periodic text goes on with its
@@ -120,6 +139,9 @@ class CopyIndex {
   Resync resync_from(std::span<const token_t> context, uint32_t cursor) const;
   void count_site(std::span<const token_t> text, token_t token);
   void remember(std::span<const token_t> text, token_t token, uint32_t source_end, uint32_t matched);
+  /// The output left the source at the cursor's site with `token`: does it write a remembered
+  /// edit there? Sets the pending insertion (or realigns at once); false if no edit starts so.
+  bool start_edit(std::span<const token_t> text, token_t token);
 
   SuffixAutomaton sam_;
   bool enabled_;
@@ -130,6 +152,12 @@ class CopyIndex {
   bool aligned_ = false;          // the output follows the cursor (else it diverged there)
   uint32_t diverged_at_ = 0;      // text position of the first token that left the source
   std::vector<Edit> edits_;       // most recent first
+  // An edit the output is writing at the cursor's site: the insertion's tokens still to come
+  // (from pending_pos_), and the source position the cursor moves to when they are written.
+  std::vector<token_t> pending_;
+  size_t pending_pos_ = 0;
+  uint32_t pending_cursor_ = 0;
+  bool via_edit_ = false;  // aligned by an edit just written (the context ends with its insertion)
 };
 
 }  // namespace sssd
