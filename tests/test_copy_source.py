@@ -147,20 +147,26 @@ def test_a_request_that_keeps_copying_ranks_its_copy_higher_than_one_that_does_n
     assert deep[0] > 1.5 * max(deep[1], deep[2])
 
 
+def assert_stateful_equals_stateless(d, text, start: int, budget: int, step) -> None:
+    """Opens request 0 on text[:start], extends it by step(pos) tokens at a time, and checks after
+    every extension that its draft equals the draft of its text from scratch."""
+    d.open(0, text[:start])
+    pos = start
+    while pos < len(text):
+        k = step(pos)
+        d.extend(0, text[pos : pos + k])
+        pos += k
+        a, b = d.draft([0], budget)[0], d.draft_prefix(text[:pos], budget)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        np.testing.assert_array_equal(a.scores, b.scores)
+
+
 def test_stateful_equals_stateless_with_the_copy_source():
     rng = np.random.default_rng(4)
     phrases = [rng.integers(0, 60, 30).tolist() for _ in range(3)]
     text = sum((phrases[int(rng.integers(3))] for _ in range(12)), [])
     d = sssd.Drafter(None, sssd.DrafterConfig(budget=48))
-    d.open(0, text[:40])
-    pos = 40
-    while pos < len(text):
-        k = int(rng.integers(1, 9))
-        d.extend(0, text[pos : pos + k])
-        pos += k
-        a, b = d.draft([0], 48)[0], d.draft_prefix(text[:pos], 48)
-        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-        np.testing.assert_array_equal(a.scores, b.scores)
+    assert_stateful_equals_stateless(d, text, 40, 48, lambda pos: int(rng.integers(1, 9)))
 
 
 @pytest.mark.parametrize("budget", [0, 1, int(_core.MAX_BUDGET)])
@@ -256,15 +262,7 @@ def test_a_numbered_listing_drafts_the_same_stateful_and_stateless():
     written = written[:60] + [5, 5] + written[60:]  # and an edit of its own
     text = listing + [7] + written
     d = sssd.Drafter(None, sssd.DrafterConfig(budget=48, use_datastore=False))
-    d.open(0, text[: len(listing) + 1])
-    pos = len(listing) + 1
-    while pos < len(text):
-        k = int(rng.integers(1, 6))
-        d.extend(0, text[pos : pos + k])
-        pos += k
-        a, b = d.draft([0], 48)[0], d.draft_prefix(text[:pos], 48)
-        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-        np.testing.assert_array_equal(a.scores, b.scores)
+    assert_stateful_equals_stateless(d, text, len(listing) + 1, 48, lambda pos: int(rng.integers(1, 6)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -272,8 +270,8 @@ def test_a_numbered_listing_drafts_the_same_stateful_and_stateless():
 def test_stateful_equals_stateless_on_small_alphabets_where_edits_match_fuzzily(lines, edits):
     """A listing of lines with two-token numbers from a six-token alphabet, copied back without the
     numbers and with a token replaced here and there, then random: repeats, edits and fuzzy sites
-    everywhere. Every draft of the open request equals the draft of
-    its text from scratch (and nothing crashes mid-insertion)."""
+    everywhere. Every draft of the open request equals the draft of its text from scratch (and
+    nothing crashes mid-insertion)."""
     listing, written = [], []
     for k in range(0, len(lines) - 3, 4):
         listing += [6, 7, 8 + k % 3, 8 + (k // 3) % 3, 9] + lines[k : k + 4]
@@ -281,15 +279,7 @@ def test_stateful_equals_stateless_on_small_alphabets_where_edits_match_fuzzily(
         written += [6] + [t if noise != j else 11 for j, t in enumerate(lines[k : k + 4])]
     text = listing + [10] + written + edits
     d = sssd.Drafter(None, sssd.DrafterConfig(budget=24, use_datastore=False, copy_min_match=4))
-    d.open(0, text[: len(listing) + 1])
-    pos = len(listing) + 1
-    while pos < len(text):
-        k = 1 + pos % 3
-        d.extend(0, text[pos : pos + k])
-        pos += k
-        a, b = d.draft([0], 24)[0], d.draft_prefix(text[:pos], 24)
-        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-        np.testing.assert_array_equal(a.scores, b.scores)
+    assert_stateful_equals_stateless(d, text, len(listing) + 1, 24, lambda pos: 1 + pos % 3)
 
 
 def _common(a, b) -> int:
