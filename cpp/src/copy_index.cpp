@@ -35,6 +35,10 @@ bool CopyIndex::removed_at(const std::vector<token_t>& removed, std::span<const 
   return std::equal(removed.begin(), removed.end(), at) || fuzzy_equal(removed.data(), at, size);
 }
 
+bool CopyIndex::at_cursor_site(const Edit& e, std::span<const token_t> text) const {
+  return e.removed.empty() ? text[cursor_] == e.anchor : removed_at(e.removed, text, size_t(cursor_) + 1);
+}
+
 CopyIndex::Resync CopyIndex::resync(std::span<const token_t> context) const {
   if (enabled_ && via_edit_ && aligned_ && size_t(cursor_) + 1 < context.size()) return {kResyncMax, cursor_};
   return resync_from(context, cursor_);
@@ -43,7 +47,7 @@ CopyIndex::Resync CopyIndex::resync(std::span<const token_t> context) const {
 bool CopyIndex::start_edit(std::span<const token_t> text, token_t token) {
   const size_t j = size_t(cursor_) + 1, n = text.size();
   for (const Edit& e : edits_) {
-    if (e.removed.empty() ? text[cursor_] != e.anchor : !removed_at(e.removed, text, j)) continue;
+    if (!at_cursor_site(e, text)) continue;
     const size_t resume = j + e.removed.size();  // the source's next token after the site
     if (!e.inserted.empty() && e.inserted[0] == token) {
       pending_.assign(e.inserted.begin() + 1, e.inserted.end());
@@ -168,7 +172,7 @@ void CopyIndex::count_site(std::span<const token_t> text, token_t token) {
   // The copy is at a site of a remembered edit: did the output edit it again, or copy the source?
   const size_t j = size_t(cursor_) + 1, n = text.size();
   for (Edit& e : edits_) {
-    if (e.removed.empty() ? text[cursor_] != e.anchor : !removed_at(e.removed, text, j)) continue;
+    if (!at_cursor_site(e, text)) continue;
     const size_t after = j + e.removed.size();
     const bool edits = e.inserted.empty() ? (after < n && token == text[after] && token != text[j])
                                           : (token == e.inserted[0] && token != text[j]);

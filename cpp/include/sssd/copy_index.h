@@ -142,6 +142,9 @@ class CopyIndex {
   /// The output left the source at the cursor's site with `token`: does it write a remembered
   /// edit there? Sets the pending insertion (or realigns at once); false if no edit starts so.
   bool start_edit(std::span<const token_t> text, token_t token);
+  /// Whether `e` is at the cursor's site: an insertion's anchor at the cursor, or its removed
+  /// tokens right after it.
+  bool at_cursor_site(const Edit& e, std::span<const token_t> text) const;
 
   SuffixAutomaton sam_;
   bool enabled_;
