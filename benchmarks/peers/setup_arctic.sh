@@ -14,6 +14,8 @@ pip() { python -m pip --disable-pip-version-check -q "$@"; }
 pip install torch==2.13.0 nanobind==2.9.2 setuptools wheel ninja cmake numpy tqdm "scikit-build-core>=0.10" "pybind11>=2.13"
 python -c "import arctic_inference.suffix_decoding" 2>/dev/null || pip install --no-deps --no-build-isolation arctic-inference==0.3.0
 pip install --no-deps draftretriever==0.1.1
-pip install matplotlib
+# matplotlib draws the figure; transformers tokenizes the copy-heavy sets' reference answers
+# (their chat templates), at the version constraints.txt pins for .venv.
+pip install matplotlib "transformers==$(sed -n 's/^transformers==//p' constraints.txt)"
 pip install --no-build-isolation -e . --config-settings=build-dir=build/peers-{wheel_tag}
 python -c "import arctic_inference.suffix_decoding, draftretriever, sssd; print('arctic-inference, draftretriever OK; sssd', sssd.__version__)"
