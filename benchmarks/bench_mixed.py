@@ -275,7 +275,10 @@ def plot(rows, args) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s over plain")
-    ax.set_title(f"{args.model}, {'+'.join(args.sets)} ({machine().get('cpu', 'CPU')})", fontsize=8)
+    # two lines: a six-set mix with the model and CPU names does not fit the figure's width on one
+    ax.set_title(
+        f"{args.model} ({machine().get('cpu', 'CPU')}, {args.max_tokens} tokens)\n{' + '.join(args.sets)}", fontsize=8
+    )
     ax.legend()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / f"bench_mixed{('-' + args.tag) if args.tag else ''}.png"
