@@ -274,9 +274,8 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
         res: dict = {"prompts": n, "max_tokens": max_tokens, "budget": budget, "runs": {}}
 
         def run(label: str, draft, batch: int, params=greedy, datastore=None, **cfg_kw):
-            config = EngineConfig(
-                max_running=batch, max_model_len=256, budget=budget, dtype="float32", device=str(device), **cfg_kw
-            )
+            cfg_kw.setdefault("budget", budget)
+            config = EngineConfig(max_running=batch, max_model_len=256, dtype="float32", device=str(device), **cfg_kw)
             eng = LLMEngine(folder, datastore=datastore, draft=draft, config=config)
             t0 = time.perf_counter()
             outs = eng.generate(ps, params) if batch > 1 else [eng.generate([p], params)[0] for p in ps]
@@ -289,10 +288,13 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
                 "tokens": acc,
                 "steps": steps,
                 "accepted_by_source": dict(eng.metrics.accepted_by_source),
+                "draft_tokens": eng.metrics.num_draft_tokens,
+                "budget": config.budget,
             }
             report.say(
                 f"  {name} {label}: {acc} tokens in {secs:.1f} s"
                 + (f", {steps} steps ({acc / max(steps, 1):.2f} tokens/step)" if steps else "")
+                + (f", {eng.metrics.num_draft_tokens / max(steps, 1):.1f} draft tokens a row a step" if draft else "")
             )
             del eng
             return toks
@@ -304,38 +306,51 @@ def lossless(report: Report, device: torch.device, small: bool, work: Path) -> d
             corpus += p + t + [sssd.SEPARATOR]
         ds = sssd.Datastore.build(np.asarray(corpus, dtype=np.uint32), work / f"ds-{cfg['model_type']}", overwrite=True)
         checks = {}
-        for b in batch_sizes:
-            for mode in ("serial", "async"):
-                if mode == "async" and b == 1:
-                    continue
-                label = f"sssd batch {b} {mode}"
-                got = run(label, ["retrieval"], b, datastore=ds, draft_mode=mode)
-                diffs = [i for i, (x, y) in enumerate(zip(got, plain[b])) if x != y]
-                check = {"identical": not diffs, "prompts_differing": diffs}
-                firsts = []
-                for i in diffs:
-                    at = first_difference(got[i], plain[b][i])
-                    chosen = got[i][at] if at < len(got[i]) else None
-                    firsts.append(
-                        {"prompt": i, "token": at, **margin_at(folder, device, ps[i] + plain[b][i][:at], chosen)}
-                    )
-                if firsts:
-                    check["first"] = firsts[0]
-                    check["differences"] = firsts
-                    check["rounding_ties"] = all(is_rounding_tie(f) for f in firsts)
-                checks[label] = check
-                verdict = "IDENTICAL"
-                if diffs:
-                    verdict = (
-                        "DIFFERENT at rounding ties only " if check["rounding_ties"] else "DIFFERENT "
-                    ) + json.dumps(check["first"])
-                report.say(f"  {name} {label} vs plain: {verdict}")
+        # the fixed budget at every batch size, then (budget None) the batch allocation with the
+        # forward profile measured on this device: one budget shared across the batch by expected
+        # acceptance, trees cut to each row's share, rows with none
+        top = batch_sizes[-1]
+        variants = [
+            (b, mode, {}) for b in batch_sizes for mode in ("serial", "async") if not (mode == "async" and b == 1)
+        ]
+        variants += [(top, f"{mode} allocation", {"budget": None, "measure": "now"}) for mode in ("serial", "async")]
+        for b, mode, extra in variants:
+            label = f"sssd batch {b} {mode}"
+            got = run(label, ["retrieval"], b, datastore=ds, draft_mode=mode.split()[0], **extra)
+            diffs = [i for i, (x, y) in enumerate(zip(got, plain[b])) if x != y]
+            check = {"identical": not diffs, "prompts_differing": diffs}
+            firsts = []
+            for i in diffs:
+                at = first_difference(got[i], plain[b][i])
+                chosen = got[i][at] if at < len(got[i]) else None
+                firsts.append({"prompt": i, "token": at, **margin_at(folder, device, ps[i] + plain[b][i][:at], chosen)})
+            if firsts:
+                check["first"] = firsts[0]
+                check["differences"] = firsts
+                check["rounding_ties"] = all(is_rounding_tie(f) for f in firsts)
+            checks[label] = check
+            verdict = "IDENTICAL"
+            if diffs:
+                verdict = ("DIFFERENT at rounding ties only " if check["rounding_ties"] else "DIFFERENT ") + json.dumps(
+                    check["first"]
+                )
+            report.say(f"  {name} {label} vs plain: {verdict}")
         seeded = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         b = batch_sizes[-1]
         want = run(f"plain sampled batch {b}", [], b, params=seeded)
         got = run(f"sssd sampled batch {b}", ["retrieval"], b, params=seeded, datastore=ds)
         checks[f"sssd sampled batch {b} (seeded)"] = {"identical": got == want}
         report.say(f"  {name} seeded sampling, batch {b}: {'IDENTICAL' if got == want else 'DIFFERENT'}")
+        # greedy and seeded sampled requests in one batch, under the allocation (it scores sampled
+        # rows by their measured acceptance): each request as plain decoding gives it
+        mixed = [
+            greedy if i % 2 == 0 else SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, seed=i)
+            for i in range(n)
+        ]
+        want = run(f"plain mixed batch {b}", [], b, params=mixed)
+        got = run(f"sssd mixed batch {b} allocation", ["retrieval"], b, params=mixed, datastore=ds, budget=None)
+        checks[f"sssd mixed greedy and sampled batch {b} allocation"] = {"identical": got == want}
+        report.say(f"  {name} greedy and sampled in one batch {b}: {'IDENTICAL' if got == want else 'DIFFERENT'}")
         checks["plain batch 1 vs batch 16"] = {
             "identical": plain[batch_sizes[0]] == plain[batch_sizes[-1]],
             "note": "information only: batched float32 kernels may round apart",

@@ -32,7 +32,7 @@ def test_the_device_run_runs_on_the_cpu_at_tiny_shapes(tmp_path):
     assert data["ok"] is True and data["environment"]["device"] == "cpu"
     for arch, res in data["lossless"].items():
         checks = {k: v for k, v in res["checks"].items() if not k.startswith("plain")}
-        assert len(checks) == 4 and all(v["identical"] for v in checks.values()), (arch, checks)
+        assert len(checks) == 7 and all(v["identical"] for v in checks.values()), (arch, checks)
         sssd_runs = [v for k, v in res["runs"].items() if k.startswith("sssd batch")]
         assert all(v["steps"] < v["tokens"] for v in sssd_runs)  # it speculated: fewer steps than tokens
     prof = data["profile"]["profile"]
