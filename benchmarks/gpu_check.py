@@ -223,20 +223,32 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def last_logits(folder: Path, device: torch.device, prefix: list[int]) -> tuple[torch.Tensor, float]:
+    """Plain transformers' float32 logits after `prefix` (one pass of the prefix alone), and the
+    largest change of any of them when the same prefix is row 0 of a 16-row pass (the other rows
+    random tokens): how much this device's kernels of another shape round the same logits apart."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    ids = torch.tensor([prefix], device=device)
+    others = torch.randint(0, model.config.vocab_size, (15, len(prefix)), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        alone = model(ids).logits[0, -1].float()
+        wide = model(torch.cat([ids, others.to(device)])).logits[0, -1].float()
+    return alone, float((alone - wide).abs().max())
+
+
 def margin_at(folder: Path, device: torch.device, prefix: list[int], chosen: int | None = None) -> dict:
     """How close to a tie a divergence was: after `prefix`, plain transformers' (float32) top-1 minus
     top-2 logit, the rank of the token SSSD chose and its gap to the top, beside the logits' scale
     (max |logit|), so a rounding tie (a gap ~1e-6 of the scale) reads apart from a wrong token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prefix], device=device)).logits[0, -1].float()
+    logits, shape_delta = last_logits(folder, device, prefix)
     top = logits.topk(2)
     out = {
         "plain_margin": float(top.values[0] - top.values[1]),
         "top2": [int(t) for t in top.indices],
         "logit_scale": float(logits.abs().max()),
+        "shape_delta": shape_delta,
     }
     if chosen is not None:
         out["chosen"] = int(chosen)
@@ -250,29 +262,28 @@ def sampled_margin_at(folder: Path, device: torch.device, prefix: list[int], ind
     """How close to a tie a sampled divergence was. Plain decoding draws output token `index` of a
     seeded request by inverse CDF with the `index`-th uniform u of the request's generator
     (serving/verify/acceptance.py): the token whose CDF interval holds u. Recomputed here from plain
-    transformers' float32 logits after `prefix`: the token that draw gives, u's distance to the
-    nearest edge of that token's interval, and where SSSD's token lies, so a draw on the edge
-    between two neighbouring tokens (a CDF rounding tie) reads apart from a wrong distribution."""
-    from transformers import AutoModelForCausalLM
-
+    transformers' float32 logits after `prefix`: the token that draw gives (it must be plain's),
+    the CDF mass between u and SSSD's token's interval, and the most that mass could move if every
+    logit moved by half the greedy tie rule's gap (TIE_RELATIVE_GAP of the logits' scale): a draw
+    that close to the edge is a rounding tie; one farther is a wrong distribution."""
     from sssd.serving.verify.acceptance import processed_probs
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prefix], device=device)).logits[0, -1:].float()
+    logits, shape_delta = last_logits(folder, device, prefix)
     one = torch.ones(1, device=device)
     probs = processed_probs(
-        logits, one * params.temperature, torch.full((1,), params.top_k, device=device), one * params.top_p
+        logits[None], one * params.temperature, torch.full((1,), params.top_k, device=device), one * params.top_p
     )[0]
     cdf = torch.cumsum(probs.double(), dim=-1).cpu()
     gen = torch.Generator(device="cpu").manual_seed(params.seed % 2**64)
     u = [float(torch.rand(1, generator=gen, dtype=torch.float64)) for _ in range(index + 1)][-1]
     x = u * float(cdf[-1])
     token = int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64))[0])
-    lo = float(cdf[token - 1]) if token > 0 else 0.0
-    edge = min(x - lo, float(cdf[token]) - x)
-    between = sorted((token, int(chosen)))
-    mass_between = float(cdf[between[1] - 1] - cdf[between[0]]) if between[1] > between[0] else 0.0
+    lo, hi = (float(cdf[chosen - 1]) if chosen > 0 else 0.0), float(cdf[chosen])
+    to_chosen = max(lo - x, x - hi, 0.0)  # CDF mass between the draw and SSSD's token
+    edge = lo if x < lo else hi  # the CDF value at the edge the draw would have to cross
+    scale = float(logits.abs().max())
+    # moving every logit by at most d moves a CDF value C by at most about C (1 - C) 2 d / T
+    reach = edge * (1 - edge) * TIE_RELATIVE_GAP * scale / params.temperature
     return {
         "sampled": True,
         "uniform": u,
@@ -280,23 +291,24 @@ def sampled_margin_at(folder: Path, device: torch.device, prefix: list[int], ind
         "chosen": int(chosen),
         "p_redrawn": float(probs[token]),
         "p_chosen": float(probs[chosen]),
-        "edge_distance": edge,
-        "mass_between": mass_between,  # CDF mass strictly between the two tokens: 0 for neighbours
+        "mass_to_chosen": to_chosen,
+        "tie_reach": reach,
+        "logit_scale": scale,
+        "shape_delta": shape_delta,
     }
 
 
 TIE_RELATIVE_GAP = 1e-4
-#: A sampled divergence at a CDF rounding tie: SSSD's token is the redrawn token's neighbour in
-#: the CDF (no mass between them) and u lies within this of the edge between them.
-TIE_CDF_EDGE = 1e-5
 
 
 def is_rounding_tie(diff: dict) -> bool:
     """A divergence at a near tie: SSSD took plain's runner-up, and the two logits differ by less
     than 1e-4 of the logits' scale (float32 kernels of other shapes, a tree pass against a one-token
-    pass, round sums differently by about that much). Reported as such, never hidden."""
+    pass, round sums differently by about that much). A sampled one: the seeded draw lies closer to
+    SSSD's token's CDF interval than logits moved by half that gap could take it
+    (sampled_margin_at). Reported as such, never hidden."""
     if diff.get("sampled"):
-        return diff["mass_between"] < 1e-12 and diff["edge_distance"] < TIE_CDF_EDGE
+        return diff["mass_to_chosen"] < diff["tie_reach"]
     return diff.get("chosen_rank") == 1 and diff.get("relative_gap", 1.0) < TIE_RELATIVE_GAP
 
 

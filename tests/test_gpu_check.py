@@ -105,3 +105,31 @@ def test_a_divergence_is_called_a_rounding_tie_only_at_the_runner_up_within_1e_4
     assert got["top2"] == order[:2] and got["chosen_rank"] == 2
     assert got["chosen_gap"] == pytest.approx(float(logits[order[0]] - logits[order[2]]), rel=1e-5)
     assert got["plain_margin"] <= got["chosen_gap"] and got["logit_scale"] == pytest.approx(float(logits.abs().max()))
+
+
+def test_a_sampled_divergence_is_explained_by_redrawing_plains_seeded_token(tmp_path):
+    """sampled_margin_at recomputes plain decoding's seeded inverse-CDF draw: it must give plain's own
+    token at every position; a token next to the draw's edge is a rounding tie, one far off is not."""
+    import numpy as np
+    import torch
+
+    from sssd.serving.engine import EngineConfig, LLMEngine
+    from sssd.serving.engine.params import SamplingParams
+
+    gc = load_script()
+    folder = gc.model_folder(gc.TINY_LLAMA, tmp_path / "m")
+    ps = gc.prompts(gc.TINY_LLAMA["vocab_size"], 2, np.random.default_rng(1))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
+    config = EngineConfig(max_running=2, max_model_len=128, dtype="float32", device="cpu", speculate=False)
+    outs = [o.token_ids for o in LLMEngine(folder, draft=[], config=config).generate(ps, params)]
+    cpu = torch.device("cpu")
+    for i, k in ((0, 0), (0, 7), (1, 11)):
+        got = gc.sampled_margin_at(folder, cpu, ps[i] + outs[i][:k], k, params, outs[i][k])
+        assert got["redrawn"] == outs[i][k] and got["mass_to_chosen"] == 0.0 and got["shape_delta"] < 1e-3
+        # another token: the CDF mass between the draw and it, and a tie only when that is tiny
+        other = (outs[i][k] + 1) % gc.TINY_LLAMA["vocab_size"]
+        far = gc.sampled_margin_at(folder, cpu, ps[i] + outs[i][:k], k, params, other)
+        assert far["redrawn"] == outs[i][k] and far["chosen"] == other
+        assert gc.is_rounding_tie(far) == (far["mass_to_chosen"] < far["tie_reach"])
+    assert gc.is_rounding_tie({"sampled": True, "mass_to_chosen": 2e-4, "tie_reach": 1.9e-3})
+    assert not gc.is_rounding_tie({"sampled": True, "mass_to_chosen": 0.05, "tie_reach": 1.9e-3})
