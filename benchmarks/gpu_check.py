@@ -677,16 +677,52 @@ def graph_profile(measured: dict):
     )
 
 
-def projection(report: Report, gpu: str, measured: dict) -> dict:
-    """Section 3 for the eager profile and, where measured, the CUDA-graph one."""
+def projection(report: Report, gpu: str, measured: dict, groundtruth=None, limit: int = 20) -> dict:
+    """Section 3 for the eager profile and, where measured, the CUDA-graph one; with ground-truth
+    files, the batch allocation on each too."""
     from sssd.serving.planning.profile import ForwardProfile
 
-    out = {"eager": project(report, gpu, measured, ForwardProfile.from_dict(measured["profile"]), "eager passes")}
+    steps = replayed(report, groundtruth, limit) if groundtruth else None
+    profiles = {"eager": (ForwardProfile.from_dict(measured["profile"]), "eager passes")}
     graph = graph_profile(measured)
     if graph is not None:
-        out["cuda_graph"] = project(report, gpu, measured, graph, "passes replayed as CUDA graphs")
-        out["cuda_graph"]["profile"] = graph.to_dict()
+        profiles["cuda_graph"] = (graph, "passes replayed as CUDA graphs")
+    out = {}
+    for key, (prof, label) in profiles.items():
+        out[key] = project(report, gpu, measured, prof, label)
+        if key == "cuda_graph":
+            out[key]["profile"] = prof.to_dict()
+        if steps is not None:
+            out[key]["allocation"] = allocation_projection(report, prof, steps)
     return out
+
+
+def replayed(report: Report, paths, limit: int):
+    """Steps of decoding recorded outputs with trees of 64 (sssd.Drafter("default")), as `sssd plan
+    --groundtruth` replays them: the first `limit` examples of each file."""
+    import sssd
+    from sssd.calibration.allocation_replay import replay_groundtruth
+
+    steps = replay_groundtruth(sssd.Drafter("default", budget=64), paths, limit)
+    report.say(f"replayed {len(steps)} decoding steps from {', '.join(Path(p).name for p in paths)}")
+    return steps
+
+
+def allocation_projection(report: Report, prof, steps) -> list[dict]:
+    """The batch allocation (planning/allocation.py's project) priced by a measured profile: per
+    batch size, its speedup over plain decoding beside one best budget for every row."""
+    from sssd.serving.planning.allocation import project as project_allocation
+
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max(prof.rows)]
+    rows = project_allocation(steps, prof, batches)
+    report.say("the batch allocation on these costs (each row verifies what its own tree is worth):")
+    report.say(f"{'batch':>6} {'allocation':>10} {'nodes/row':>9} {'tokens/row':>10} {'one budget':>10} {'b':>3}")
+    for r in rows:
+        report.say(
+            f"{r['batch']:>6} {r['speedup']:>9.2f}x {r['nodes_per_row']:>9.2f} {r['tokens_per_row_step']:>10.2f} "
+            f"{r['per_size_speedup']:>9.2f}x {r['per_size_budget']:>3}"
+        )
+    return rows
 
 
 def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
@@ -804,12 +840,24 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="recompute section 3 from a finished run's JSON file (no device needed)",
     )
+    p.add_argument(
+        "--groundtruth",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="`sssd groundtruth` files: section 3 adds the batch allocation priced by the measured costs, "
+        "from trees drafted along these recorded outputs (as `sssd plan --groundtruth`)",
+    )
+    p.add_argument("--limit", type=int, default=20, help="examples replayed per ground-truth file (default: 20)")
     args = p.parse_args(argv)
     if args.from_json is not None:
         done = json.loads(args.from_json.read_text())
         report = Report(args.out)
         report.put("source", str(args.from_json))
-        report.put("projection", projection(report, done["environment"].get("gpu", ""), done["profile"]))
+        report.put(
+            "projection",
+            projection(report, done["environment"].get("gpu", ""), done["profile"], args.groundtruth, args.limit),
+        )
         return 0
     from sssd.serving.backends.devices import resolve
 
@@ -845,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
         report.put("profile", measured)
         report.say("== 3. predicted speedup from the measured costs, beside the roofline projection")
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        report.put("projection", projection(report, gpu, measured))
+        report.put("projection", projection(report, gpu, measured, args.groundtruth, args.limit))
     report.put("ok", ok)
     report.say(f"wrote {args.out}")
     return 0 if ok else 1

@@ -20,7 +20,6 @@ Usage (after `python benchmarks/bench_mixed.py ... --tag T`):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -81,22 +80,15 @@ def main() -> int:
     args = ap.parse_args()
 
     import sssd
-    from sssd.calibration.allocation_replay import ReplaySteps, replay_steps
-    from sssd.calibration.ground_truth import load_groundtruth
+    from sssd.calibration.allocation_replay import replay_groundtruth
     from sssd.serving.planning.allocation import project
 
     header, records = last_run(args.tag)
     spec = [r for r in records if r.get("allocation")]
     costs = MeasuredCosts(spec[-1]["allocation"]["buckets"], args.context)  # the engine's last word
     drafter = sssd.Drafter("default", budget=64)
-    steps = ReplaySteps()
-    for name in args.sets:
-        _, examples = load_groundtruth(str(GROUNDTRUTH / f"{name}.jsonl"))
-        cut = [dataclasses.replace(e, output=e.output[: args.max_tokens]) for e in examples[-args.limit :]]
-        more = replay_steps(drafter, cut, budget=64)
-        steps.scores += more.scores
-        steps.parents += more.parents
-        steps.accepted += more.accepted
+    paths = [GROUNDTRUTH / f"{name}.jsonl" for name in args.sets]
+    steps = replay_groundtruth(drafter, paths, args.limit, last=True, max_tokens=args.max_tokens)
     batches = sorted({r["batch"] for r in spec})
     measured = {r["batch"]: r for r in spec}
     print(f"costs measured by the run of {header['date']} (git {header['git']}, {header['machine']['cpu']})")

@@ -8,6 +8,7 @@ the tokens the target would accept are known from the recorded output.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,6 +31,11 @@ class ReplaySteps:
 
     def __len__(self) -> int:
         return len(self.scores)
+
+    def extend(self, other: "ReplaySteps") -> None:
+        self.scores += other.scores
+        self.parents += other.parents
+        self.accepted += other.accepted
 
 
 def replay_steps(
@@ -54,3 +60,33 @@ def replay_steps(
             out.accepted.append(accepted)
             t += stride if stride else int(accepted[-1]) + 1
     return out
+
+
+def replay_groundtruth(
+    drafter: sssd.Drafter,
+    paths: Sequence,
+    limit: int,
+    last: bool = False,
+    max_tokens: int | None = None,
+    budget: int = 64,
+) -> ReplaySteps:
+    """replay_steps over `sssd groundtruth` files: `limit` examples of each (the first ones, or the
+    last ones with `last`: a set's evaluation end), each output cut at `max_tokens` where given (as
+    a run that stopped there decoded it). Every path is checked before any replay starts."""
+    from pathlib import Path
+
+    from .ground_truth import load_groundtruth
+
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    for path in paths:  # a mistyped path is named before minutes of replay
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"ground truth {path}: no such file")
+    steps = ReplaySteps()
+    for path in paths:
+        _, examples = load_groundtruth(str(path))
+        chosen = examples[-limit:] if last else examples[:limit]
+        if max_tokens is not None:
+            chosen = [dataclasses.replace(e, output=e.output[:max_tokens]) for e in chosen]
+        steps.extend(replay_steps(drafter, chosen, budget=budget))
+    return steps

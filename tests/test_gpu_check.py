@@ -133,3 +133,22 @@ def test_a_sampled_divergence_is_explained_by_redrawing_plains_seeded_token(tmp_
         assert gc.is_rounding_tie(far) == (far["mass_to_chosen"] < far["tie_reach"])
     assert gc.is_rounding_tie({"sampled": True, "mass_to_chosen": 2e-4, "tie_reach": 1.9e-3})
     assert not gc.is_rounding_tie({"sampled": True, "mass_to_chosen": 0.05, "tie_reach": 1.9e-3})
+
+
+def test_the_recorded_h200_costs_price_the_batch_allocation_from_ground_truth(tmp_path):
+    """Section 3 offline with --groundtruth: the allocation projected on the run's measured eager
+    and CUDA-graph costs, beside one budget for every row on the same replayed steps."""
+    from test_plan_allocation import synthetic_groundtruth
+
+    synthetic_groundtruth(tmp_path / "gt.jsonl")
+    out = tmp_path / "proj.json"
+    recorded = REPO / "benchmarks" / "gpu" / "gpu_check-h200-7c50f1a.json"
+    r = run("--from-json", str(recorded), "--groundtruth", str(tmp_path / "gt.jsonl"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    proj = json.loads(out.read_text())["projection"]
+    for kind in ("eager", "cuda_graph"):
+        rows = proj[kind]["allocation"]
+        assert [x["batch"] for x in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        assert all(x["speedup"] >= 0.99 and x["per_size_speedup"] >= 1.0 for x in rows)
+        assert rows[0]["speedup"] > 1.5  # the answers copy their prompts: deep trees pay at batch 1
+    assert "the batch allocation on these costs" in r.stdout

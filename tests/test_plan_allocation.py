@@ -75,14 +75,8 @@ def test_replayed_steps_know_what_each_prefix_of_a_tree_would_accept():
 
 
 def test_sssd_plan_prints_the_allocation_beside_the_budget_per_batch_size(tmp_path):
-    rng = np.random.default_rng(1)
-    phrase = rng.integers(100, 900, 40).tolist()
     gt = tmp_path / "gt.jsonl"
-    header = {"format": "sssd-groundtruth", "version": 1, "dataset": "synthetic", "tokenizer": {}}
-    records = [
-        {"id": str(i), "prompt_ids": phrase * 2, "output_ids": phrase[i : i + 30], "finish": "length"} for i in range(3)
-    ]
-    gt.write_text("\n".join(json.dumps(x) for x in [header, *records]) + "\n")
+    synthetic_groundtruth(gt, 3)
     cmd = [
         sys.executable,
         "-m",
@@ -105,3 +99,33 @@ def test_sssd_plan_prints_the_allocation_beside_the_budget_per_batch_size(tmp_pa
     assert r.returncode == 0 and "alloc speedup" in r.stdout
     r = subprocess.run([*cmd[:-4], "--groundtruth", str(tmp_path / "missing.jsonl")], capture_output=True, text=True)
     assert r.returncode != 0 and "no such file" in r.stderr
+
+
+def synthetic_groundtruth(path, n: int = 4) -> list[list[int]]:
+    """A ground-truth file whose answers copy their prompt: n records, outputs 30 tokens each."""
+    phrase = np.random.default_rng(1).integers(100, 900, 40).tolist()
+    header = {"format": "sssd-groundtruth", "version": 1, "dataset": "synthetic", "tokenizer": {}}
+    outputs = [phrase[i : i + 30] for i in range(n)]
+    records = [
+        {"id": str(i), "prompt_ids": phrase * 2, "output_ids": out, "finish": "length"} for i, out in enumerate(outputs)
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in [header, *records]) + "\n")
+    return outputs
+
+
+def test_replay_groundtruth_takes_the_first_or_last_examples_cut_where_asked(tmp_path):
+    from sssd.calibration.allocation_replay import replay_groundtruth
+
+    outputs = synthetic_groundtruth(tmp_path / "gt.jsonl")
+    drafter = sssd.Drafter(None, budget=64)
+
+    first = replay_groundtruth(drafter, [tmp_path / "gt.jsonl"], limit=1)  # one example, its copy followed deep
+    assert sum(int(a[-1]) + 1 for a in first.accepted) >= len(outputs[0]) - 1
+    assert max(int(a[-1]) for a in first.accepted) >= 10
+    # the last example of each of two files, cut at 10 tokens: no step accepts past the cut
+    cut = replay_groundtruth(drafter, [tmp_path / "gt.jsonl"] * 2, limit=1, last=True, max_tokens=10)
+    assert len(cut) >= 2 and max(int(a[-1]) for a in cut.accepted) <= 9
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        replay_groundtruth(drafter, [tmp_path / "gt.jsonl", tmp_path / "missing.jsonl"], limit=1)
+    with pytest.raises(ValueError, match="limit"):
+        replay_groundtruth(drafter, [tmp_path / "gt.jsonl"], limit=0)

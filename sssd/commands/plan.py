@@ -149,8 +149,7 @@ def setup(p: argparse.ArgumentParser):
 def _allocation(args: argparse.Namespace, shape, hw) -> dict:
     """The batch-wide allocation's projection, from trees drafted along recorded outputs."""
     import sssd
-    from sssd.calibration.allocation_replay import ReplaySteps, replay_steps
-    from sssd.calibration.ground_truth import load_groundtruth
+    from sssd.calibration.allocation_replay import replay_groundtruth
     from sssd.serving.planning.allocation import project
     from sssd.serving.planning.roofline import roofline_profile
 
@@ -160,13 +159,7 @@ def _allocation(args: argparse.Namespace, shape, hw) -> dict:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--groundtruth {path}: no such file")
     drafter = sssd.Drafter(None if args.datastore == "none" else args.datastore, budget=64)
-    steps = ReplaySteps()
-    for path in args.groundtruth:
-        _, examples = load_groundtruth(path)
-        more = replay_steps(drafter, examples[: args.limit], budget=64)
-        steps.scores += more.scores
-        steps.parents += more.parents
-        steps.accepted += more.accepted
+    steps = replay_groundtruth(drafter, args.groundtruth, args.limit)
     prof = roofline_profile(shape, hw, args.context, args.efficiency)
     return {
         "projection": project(steps, prof, args.batch_sizes),
