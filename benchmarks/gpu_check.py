@@ -25,6 +25,7 @@ shapes in seconds (the test suite does, so the script cannot rot between device 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -483,13 +485,39 @@ def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> di
     }
 
 
+@contextlib.contextmanager
+def callers_of_warnings(frames: int = 4):
+    """Inside it, every warning shown is recorded with where it was raised and the innermost
+    `frames` frames of SSSD's own code on the stack then (sync debug mode warns from torch's own
+    __init__.py: the caller is what says which of our lines synchronised). Use inside
+    warnings.catch_warnings(); yields the list it fills."""
+    import traceback
+
+    found: list[dict] = []
+    before = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}: {(f.line or '').strip()}"
+            for f in traceback.extract_stack()[:-1]
+            if "sssd" in Path(f.filename).parts or "serving" in Path(f.filename).parts
+        ]
+        found.append(
+            {"warned_at": f"{Path(filename).name}:{lineno}", "message": str(message)[:200], "callers": ours[-frames:]}
+        )
+
+    warnings.showwarning = record
+    try:
+        yield found
+    finally:
+        warnings.showwarning = before
+
+
 def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
     """What one pass costs the GPU itself, apart from the CPU launching it: the synchronising calls
     in launch (sync debug mode), the sum of its kernels' times (torch.profiler) and the wall time of
     the pass replayed as one CUDA graph (launch costs gone). Each part reports its failure instead
     of ending the run."""
-    import warnings
-
     from sssd.serving.backends import attention
     from sssd.serving.backends.torch_backend import _Sent, tree_mask
     from sssd.serving.planning.profile import _chains
@@ -501,7 +529,7 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
     out: dict = {"rows": rows, "tokens": tokens}
     be.collect(be.launch(slice(0, rows), batch, greedy))
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(), callers_of_warnings() as callers:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(1)
             try:
@@ -509,7 +537,8 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         be.collect(h)
-        out["syncs_in_launch"] = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught})
+        out["syncs_in_launch"] = sorted({c["warned_at"] for c in callers})
+        out["syncs_in_launch_callers"] = callers
     except Exception as e:  # noqa: BLE001
         out["syncs_in_launch"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
     try:
@@ -627,6 +656,8 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
                     f"{d.get('kernel_ms')} ms ({d.get('kernels')}), CUDA graph {d.get('graph_ms')} ms"
                 )
         report.say(f"  synchronising calls inside launch: {side[0].get('syncs_in_launch')}")
+        for c in side[0].get("syncs_in_launch_callers", []):
+            report.say(f"    {c['warned_at']} from " + " <- ".join(reversed(c["callers"])))
     mid = next(x for x in launch if x["rows"] == rows[len(rows) // 2] and x["tokens"] == tokens[len(tokens) // 2])
     report.say(
         f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "

@@ -152,3 +152,26 @@ def test_the_recorded_h200_costs_price_the_batch_allocation_from_ground_truth(tm
         assert all(x["speedup"] >= 0.99 and x["per_size_speedup"] >= 1.0 for x in rows)
         assert rows[0]["speedup"] > 1.5  # the answers copy their prompts: deep trees pay at batch 1
     assert "the batch allocation on these costs" in r.stdout
+
+
+def test_a_warning_is_traced_to_the_sssd_code_that_caused_it():
+    """Sync debug mode warns from torch's own file; callers_of_warnings names our lines above it."""
+    import warnings
+
+    from sssd.serving.planning.profile import run_steps
+
+    gc = load_script()
+
+    def steps():  # warns from here, called by run_steps (serving/planning/profile.py)
+        warnings.warn("a synchronising call", UserWarning, stacklevel=1)
+        yield
+        return 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings(), gc.callers_of_warnings() as found:
+        warnings.simplefilter("always")
+        assert run_steps(steps()) == 1
+    assert len(found) == 1 and found[0]["message"] == "a synchronising call"
+    assert found[0]["warned_at"].startswith("test_gpu_check.py:")
+    assert any(c.startswith("profile.py:") and "run_steps" in c for c in found[0]["callers"])
+    assert warnings.showwarning is shown  # the hook is gone again
