@@ -488,20 +488,18 @@ def time_pass(be, rows: int, tokens: int, context: int, repeats: int, rng) -> di
 @contextlib.contextmanager
 def callers_of_warnings(frames: int = 4):
     """Inside it, every warning shown is recorded with where it was raised and the innermost
-    `frames` frames of SSSD's own code on the stack then (sync debug mode warns from torch's own
-    __init__.py: the caller is what says which of our lines synchronised). Use inside
-    warnings.catch_warnings(); yields the list it fills."""
+    `frames` frames of SSSD's own code on the stack then (of the whole stack where none is ours):
+    a warning names the innermost Python line, often torch's own; the callers say which of our
+    lines caused it. Use inside warnings.catch_warnings(); yields the list it fills."""
     import traceback
 
     found: list[dict] = []
     before = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
-        ours = [
-            f"{Path(f.filename).name}:{f.lineno} {f.name}: {(f.line or '').strip()}"
-            for f in traceback.extract_stack()[:-1]
-            if "sssd" in Path(f.filename).parts or "serving" in Path(f.filename).parts
-        ]
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if "sssd" in Path(f.filename).parts or "serving" in Path(f.filename).parts]
+        ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}: {(f.line or '').strip()}" for f in ours or stack]
         found.append(
             {"warned_at": f"{Path(filename).name}:{lineno}", "message": str(message)[:200], "callers": ours[-frames:]}
         )
@@ -511,6 +509,10 @@ def callers_of_warnings(frames: int = 4):
         yield found
     finally:
         warnings.showwarning = before
+
+
+#: What torch's set_sync_debug_mode warns as it is switched on (torch/__init__.py): not a sync.
+SYNC_MODE_NOTICE = "Synchronization debug mode is a prototype feature"
 
 
 def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
@@ -537,8 +539,10 @@ def device_side(be, rows: int, tokens: int, context: int, rng) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         be.collect(h)
-        out["syncs_in_launch"] = sorted({c["warned_at"] for c in callers})
-        out["syncs_in_launch_callers"] = callers
+        # enabling the mode warns once that it is a prototype: a notice from torch, no sync of ours
+        syncs = [c for c in callers if SYNC_MODE_NOTICE not in c["message"]]
+        out["syncs_in_launch"] = sorted({c["warned_at"] for c in syncs})
+        out["syncs_in_launch_callers"] = syncs
     except Exception as e:  # noqa: BLE001
         out["syncs_in_launch"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
     try:
@@ -647,7 +651,7 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
             report.say(f"  attention modes at {r} rows x {t} tokens (ms): {modes[f'{r}x{t}']}")
     side = []
     if device.type == "cuda":  # what the GPU itself spends, apart from launching
-        for r in (1, 16, 64, 256):
+        for r in (x for x in (1, 16, 64, 256) if x <= be.slots):  # --rows may make the pool smaller
             for t in (1, 5, 17, 65):
                 side.append(device_side(be, r, t, context, rng))
                 d = side[-1]
@@ -655,9 +659,18 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
                     f"  {r} rows x {t} tokens: eager {prof_time(grid, rows, tokens, r, t):.2f} ms, kernels "
                     f"{d.get('kernel_ms')} ms ({d.get('kernels')}), CUDA graph {d.get('graph_ms')} ms"
                 )
-        report.say(f"  synchronising calls inside launch: {side[0].get('syncs_in_launch')}")
-        for c in side[0].get("syncs_in_launch_callers", []):
-            report.say(f"    {c['warned_at']} from " + " <- ".join(reversed(c["callers"])))
+        syncs = {}  # each synchronising call's callers -> the points it synchronised at
+        for d in side:
+            for c in d.get("syncs_in_launch_callers", []):
+                where = f"{c['warned_at']} from " + " <- ".join(reversed(c["callers"]))
+                syncs.setdefault(where, []).append(f"{d['rows']}x{d['tokens']}")
+        failed = [d["syncs_in_launch"] for d in side if isinstance(d.get("syncs_in_launch"), str)]
+        report.say(
+            f"  synchronising calls inside launch (sync debug mode, {len(side)} points): {len(syncs) or 'none'}"
+            + (f"; the check failed at {len(failed)}: {failed[0]}" if failed else "")
+        )
+        for where, points in syncs.items():
+            report.say(f"    {where} (at {', '.join(points)})")
     mid = next(x for x in launch if x["rows"] == rows[len(rows) // 2] and x["tokens"] == tokens[len(tokens) // 2])
     report.say(
         f"launch returns after {mid['launch_seconds'] * 1e3:.2f} ms of a {mid['seconds'] * 1e3:.2f} ms pass "

@@ -175,3 +175,13 @@ def test_a_warning_is_traced_to_the_sssd_code_that_caused_it():
     assert found[0]["warned_at"].startswith("test_gpu_check.py:")
     assert any(c.startswith("profile.py:") and "run_steps" in c for c in found[0]["callers"])
     assert warnings.showwarning is shown  # the hook is gone again
+
+
+def test_the_sync_debug_modes_own_notice_is_told_apart_from_a_synchronising_call():
+    """The H200 run of 9565f6d traced the one warning sync debug mode raised inside launch: it was
+    torch's notice, as the mode is switched on, that the mode is a prototype (no sync of ours)."""
+    gc = load_script()
+    run = json.loads((REPO / "benchmarks" / "gpu" / "gpu_check-h200-9565f6d.json").read_text())
+    warned = [c for d in run["profile"]["device_side"] for c in d.get("syncs_in_launch_callers", [])]
+    assert warned and all(gc.SYNC_MODE_NOTICE in c["message"] for c in warned)
+    assert all(not c["callers"] for c in warned)  # raised where no SSSD line was on the stack
