@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -32,7 +33,7 @@ class ReplaySteps:
     def __len__(self) -> int:
         return len(self.scores)
 
-    def extend(self, other: "ReplaySteps") -> None:
+    def extend(self, other: ReplaySteps) -> None:
         self.scores += other.scores
         self.parents += other.parents
         self.accepted += other.accepted
@@ -73,8 +74,6 @@ def replay_groundtruth(
     """replay_steps over `sssd groundtruth` files: `limit` examples of each (the first ones, or the
     last ones with `last`: a set's evaluation end), each output cut at `max_tokens` where given (as
     a run that stopped there decoded it). Every path is checked before any replay starts."""
-    from pathlib import Path
-
     from .ground_truth import load_groundtruth
 
     if limit < 1:
