@@ -301,6 +301,8 @@ def sampled_margin_at(folder: Path, device: torch.device, prefix: list[int], ind
 
 
 TIE_RELATIVE_GAP = 1e-4
+#: Batch sizes the profile measures and section 3 projects (up to the profile's largest).
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def is_rounding_tie(diff: dict) -> bool:
@@ -600,7 +602,7 @@ def profile(report: Report, device: torch.device, small: bool, only_rows=None) -
 
     cfg = TINY_PROFILE if small else LLAMA31_8B
     dtype = "float32" if small else "bfloat16"
-    rows = tuple(only_rows) if only_rows else (1, 2, 4) if small else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    rows = tuple(only_rows) if only_rows else (1, 2, 4) if small else BATCHES
     tokens = (1, 5, 17) if small else (1, 2, 3, 5, 9, 17, 33, 65)
     context, repeats = (64, 2) if small else (512, 5)
     capacity = context + max(tokens) + 8
@@ -757,7 +759,7 @@ def allocation_projection(report: Report, prof, steps) -> list[dict]:
     batch size, its speedup over plain decoding beside one best budget for every row."""
     from sssd.serving.planning.allocation import project as project_allocation
 
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max(prof.rows)]
+    batches = [b for b in BATCHES if b <= max(prof.rows)]
     rows = project_allocation(steps, prof, batches)
     report.say("the batch allocation on these costs (each row verifies what its own tree is worth):")
     report.say(f"{'batch':>6} {'allocation':>10} {'nodes/row':>9} {'tokens/row':>10} {'one budget':>10} {'b':>3}")
@@ -816,7 +818,7 @@ def project(report: Report, gpu: str, measured: dict, prof, label: str) -> dict:
         f"{fitted_hw.overhead_s * 1e3:.2f} ms per pass): {min(p['fitted_over_measured'] for p in points):.2f}-"
         f"{max(p['fitted_over_measured'] for p in points):.2f} (worst at {worst_fit['rows']}x{worst_fit['tokens']})"
     )
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max(prof.rows)]
+    batches = [b for b in BATCHES if b <= max(prof.rows)]
     planner = BudgetPlanner(None, mat, prof, adaptive=False)
     rows = []
     plan = {r["batch"]: r for r in roofline.projection(shape, hw, mat, tuple(batches), ctx)}
