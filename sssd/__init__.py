@@ -39,7 +39,7 @@ from sssd.datastore import SEPARATOR, Datastore, DatastoreError
 from sssd.drafter import DEFAULT, Drafter, draft
 from sssd.paths import default_datastore_path
 from sssd.recent_outputs import RecentOutputs
-from sssd.sources import Candidates, DraftDistributions, DraftRequest, DraftSource, RetrievalSource
+from sssd.sources import CandidateBatch, Candidates, DraftDistributions, DraftRequest, DraftSource, RetrievalSource
 from sssd.token_recycling import TokenRecycling
 from sssd.tree import DraftBatch, DraftTree, ancestor_mask
 
@@ -78,6 +78,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Calibration",
     "CalibrationFile",
+    "CandidateBatch",
     "Candidates",
     "DraftDistributions",
     "DraftRequest",

@@ -172,6 +172,35 @@ class Candidates:
         return Candidates(tokens.astype(np.int64), parents.astype(np.int32), probs, weights, dists)
 
 
+@dataclass(frozen=True)
+class CandidateBatch:
+    """Proposals for a batch of requests in one set of CSR arrays (what a C++ source returns
+    from one call): request k's candidates are ``tokens[offsets[k]:offsets[k + 1]]``, with
+    parents indexing within that slice (-1: the root) and float32 weights as Candidates.weights.
+    Well-formed by construction (DraftSource.well_formed): no probs, no dists.
+
+    Attributes:
+        offsets: [R + 1] int64, from 0, non-decreasing. tokens: [N] int64. parents: [N] int32.
+        weights: [N] float32 in [0, 1].
+    """
+
+    offsets: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    weights: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def split(self) -> list[Candidates | None]:
+        """One Candidates (or None where a request got none) per request."""
+        bounds = self.offsets.tolist()
+        out: list[Candidates | None] = []
+        for a, b in zip(bounds, bounds[1:]):
+            out.append(Candidates(self.tokens[a:b], self.parents[a:b], weights=self.weights[a:b]) if b > a else None)
+        return out
+
+
 class DraftSource(abc.ABC):
     """Something that proposes draft candidates for a batch of requests.
 
@@ -263,6 +292,12 @@ class DraftSource(abc.ABC):
     def propose(self, requests: Sequence[DraftRequest]) -> Sequence[Candidates | None]:
         """One proposal (or None) per request, in order."""
 
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> CandidateBatch | None:
+        """The same proposals as `propose`, as one CandidateBatch, for a `well_formed` source that
+        makes them in one call: the pipeline then hands them to the merge without a Candidates
+        object a request. None (the default): the pipeline asks `propose`."""
+        return None
+
 
 class RetrievalSource:
     """SSSD's own drafting: the datastore and the request's tokens (an input trie).
@@ -329,6 +364,7 @@ def parse_specs(draft: Sequence[str | DraftSource] | str | None) -> list:
 
 
 __all__ = [
+    "CandidateBatch",
     "Candidates",
     "DraftDistributions",
     "DraftRequest",

@@ -43,7 +43,7 @@ import numpy as np
 
 from sssd import _core
 from sssd.config import SourceDiscount
-from sssd.draft_source import Candidates, DraftRequest, DraftSource
+from sssd.draft_source import CandidateBatch, Candidates, DraftRequest, DraftSource
 
 #: Tokens the store holds (the oldest are forgotten beyond it).
 DEFAULT_CAPACITY = 1 << 20
@@ -148,19 +148,18 @@ class RecentOutputs(DraftSource):
     # -- drafting ---------------------------------------------------------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> list[Candidates | None]:
         """Every request's trie of continuations after its longest recent match, at once."""
+        batch = self.propose_batch(requests)
+        return batch.split() if batch is not None else []
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> CandidateBatch | None:
+        """`propose`'s tries as one CandidateBatch (one C++ call, the GIL released; None for no requests)."""
         R = len(requests)
         if not R:
-            return []
+            return None
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=R)
         budgets = np.fromiter((r.budget for r in requests), dtype=np.int64, count=R)
         contexts = [r.tokens for r in requests]  # C++ reads the last max_match of each
-        offsets, tokens, parents, weights = self._store.propose(ids, contexts, budgets)  # without the GIL
-        bounds = offsets.tolist()
-        out: list[Candidates | None] = []
-        for r in range(R):
-            a, b = bounds[r], bounds[r + 1]
-            out.append(Candidates(tokens[a:b], parents[a:b], weights=weights[a:b]) if b > a else None)
-        return out
+        return CandidateBatch(*self._store.propose(ids, contexts, budgets))
 
 
 def _token_ids(tokens) -> np.ndarray:

@@ -22,6 +22,7 @@ from sssd.calibration_file import drafter_config_for, entries_of, source_discoun
 from sssd.config import SOURCE_COPY, SourceDiscount
 from sssd.draft_source import (  # noqa: F401  (the interface, importable from here too, where its users import it)
     SPEC_KINDS,
+    CandidateBatch,
     Candidates,
     DraftDistributions,
     DraftRequest,
@@ -304,6 +305,7 @@ class DraftPipeline:
         factors = self.evidence.factors(ids) if self.evidence is not None else None
         external = None
         per_request: list[list[tuple[int, Candidates]]] = [[] for _ in requests]
+        blocks: list[tuple[int, np.ndarray, CandidateBatch]] = []  # (tag, batch rows, proposals) of propose_batch
         alone = promised = None  # retrieval's own trees, and what each promises (for deferring sources)
         source_seconds = 0.0  # the deferring sources' drafting time
         if self.retrieval and any(s.defers_to_retrieval for s in self.external):
@@ -313,6 +315,7 @@ class DraftPipeline:
             if has.any():
                 promised[has] = np.add.reduceat(alone.scores.astype(np.float64), alone.offsets[:-1][has])
         if self.external:
+            where = {r.request_id: k for k, r in enumerate(requests)}
             for i, s in enumerate(self.external):
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
                 if s.defers_to_retrieval and not verified_next and any(s.lag(r.request_id) > r.budget for r in asked):
@@ -323,6 +326,15 @@ class DraftPipeline:
                     continue
                 try:
                     t0 = time.perf_counter()
+                    flat = s.propose_batch(asked) if s.well_formed else None
+                    if s.defers_to_retrieval:
+                        source_seconds += time.perf_counter() - t0
+                    if flat is not None:
+                        if len(flat) != len(asked):
+                            raise ValueError(f"returned {len(flat)} proposals for {len(asked)} requests")
+                        blocks.append((2 + i, np.array([where[r.request_id] for r in asked], dtype=np.int64), flat))
+                        continue
+                    t0 = time.perf_counter()
                     got = list(s.propose(asked))
                     if s.defers_to_retrieval:
                         source_seconds += time.perf_counter() - t0
@@ -331,7 +343,6 @@ class DraftPipeline:
                 except Exception as e:  # noqa: BLE001
                     log.warning("draft source %r failed this step (%s); drafting without it", s.name, e)
                     continue
-                where = {r.request_id: k for k, r in enumerate(requests)}
                 for r, c in zip(asked, got):
                     if c is None:
                         continue
@@ -346,18 +357,46 @@ class DraftPipeline:
                             r.request_id,
                             e,
                         )
-            external = _concat_candidates(per_request)
+            external = _merge_input(len(requests), per_request, blocks)
+        proposed = external is not None and len(external["tokens"]) > 0
         if verified_next:
             self.deferral.drafted(
-                requests, promised, retrieval_only=not any(per_request), alone=alone, source_seconds=source_seconds
+                requests, promised, retrieval_only=not proposed, alone=alone, source_seconds=source_seconds
             )
-        if alone is not None and not any(per_request):
+        if alone is not None and not proposed:
             batch = alone  # nothing to merge beside retrieval's own trees
         else:
             batch = draft_with_entries(self.drafter, self.entries, ids, budgets, external, factors)
         if verified_next and self.evidence is not None:
             self.evidence.drafted(ids, [len(r.tokens) for r in requests], batch, factors)
         return batch, per_request
+
+
+def _merge_input(
+    n: int, per_request: list[list[tuple[int, Candidates]]], blocks: list[tuple[int, np.ndarray, CandidateBatch]]
+) -> dict:
+    """The merge's external input for `n` requests from both kinds of proposal: Candidates per
+    request, and CandidateBatches over some of the requests' rows (tag, rows, batch). One batch
+    and nothing else (the default sources: the recent outputs) goes in as it is, widened to the
+    `n` rows; otherwise each batch is split into its requests' Candidates first."""
+    if len(blocks) == 1 and not any(per_request):
+        tag, rows, c = blocks[0]
+        sizes = np.zeros(n, dtype=np.int64)
+        sizes[rows] = np.diff(c.offsets)
+        m = len(c.tokens)
+        return {
+            "offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            "tokens": c.tokens,
+            "parents": c.parents,
+            "weights": c.weights,
+            "q": np.full(m, np.nan, np.float32),
+            "sources": np.full(m, tag, np.uint8),
+        }
+    for tag, rows, c in blocks:
+        for row, cands in zip(rows.tolist(), c.split()):
+            if cands is not None:
+                per_request[row].append((tag, cands))
+    return _concat_candidates(per_request)
 
 
 def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
@@ -392,6 +431,7 @@ def _concat_candidates(per_request: list[list[tuple[int, Candidates]]]) -> dict:
 
 
 __all__ = [
+    "CandidateBatch",
     "Candidates",
     "DraftDistributions",
     "DraftPipeline",

@@ -16,7 +16,7 @@ from sssd import _core
 from sssd.recent_outputs import MATCH_DAMPING, RecentOutputs
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
-from sssd.sources import DraftRequest
+from sssd.sources import CandidateBatch, Candidates, DraftPipeline, DraftRequest, DraftSource, RetrievalSource
 
 
 class Reference:
@@ -114,6 +114,82 @@ def test_drafts_equal_the_brute_force_store(seed, capacity):
             if c is not None:
                 c.check(12)
     assert len(src) == min(capacity, len(ref.log))
+
+
+class PerRequest(RecentOutputs):
+    """The same store, asked one Candidates a request (the path of sources without propose_batch)."""
+
+    def propose(self, requests):
+        return RecentOutputs.propose_batch(self, requests).split()
+
+    def propose_batch(self, requests):
+        return None
+
+
+class Chain(DraftSource):
+    """A per-request source: the request's last three tokens again, as a chain."""
+
+    name = "chain"
+
+    def propose(self, requests):
+        return [Candidates(r.tokens[-3:].astype(np.int64), np.arange(-1, 2, dtype=np.int32)) for r in requests]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("beside", [None, "before", "after"])
+def test_the_pipeline_merges_a_batch_of_proposals_as_one_a_request(seed, beside):
+    """RecentOutputs hands the merge one CandidateBatch (propose_batch); the trees must be those the
+    per-request path builds from the same proposals, alone or beside a per-request source listed
+    before or after it, with requests at budget 0 in the batch."""
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 30, 12) for _ in range(3)]
+
+    def pipeline(recent_kind):
+        recent = recent_kind()
+        sources = (
+            [RetrievalSource(None), recent]
+            if beside is None
+            else (
+                [RetrievalSource(None), Chain(), recent]
+                if beside == "before"
+                else [RetrievalSource(None), recent, Chain()]
+            )
+        )
+        return DraftPipeline(sources, sssd.DrafterConfig(use_datastore=False), vocab_size=30)
+
+    pipes = [pipeline(RecentOutputs), pipeline(PerRequest)]
+    contexts = {}
+    for rid in range(6):
+        prompt = rng.integers(0, 30, 5)
+        contexts[rid] = prompt
+        for p in pipes:
+            p.open(rid, prompt)
+    for step in range(12):
+        ids = sorted(contexts)
+        new = [phrases[int(rng.integers(0, 3))][: int(rng.integers(1, 6))] for _ in ids]
+        for p in pipes:
+            p.extend_batch(ids, new)
+        for rid, t in zip(ids, new):
+            contexts[rid] = np.concatenate([contexts[rid], t])
+        budgets = rng.integers(0, 3, len(ids)) * 8  # some at 0: not asked
+        requests = [DraftRequest(rid, contexts[rid], int(b)) for rid, b in zip(ids, budgets)]
+        flat, one_by_one = (p.draft(requests) for p in pipes)
+        for field in ("offsets", "tokens", "parents", "depths", "scores", "sources"):
+            np.testing.assert_array_equal(getattr(flat, field), getattr(one_by_one, field), err_msg=f"step {step}")
+        assert (flat.sources == 2 + (beside == "before")).any() or step < 2, "the recent outputs drafted nothing"
+
+
+def test_a_candidate_batch_splits_into_its_requests():
+    batch = CandidateBatch(
+        np.array([0, 2, 2, 3]),
+        np.array([5, 6, 7]),
+        np.array([-1, 0, -1], np.int32),
+        np.array([1, 0.5, 0.25], np.float32),
+    )
+    parts = batch.split()
+    assert len(batch) == 3 and parts[1] is None
+    assert parts[0].tokens.tolist() == [5, 6] and parts[0].parents.tolist() == [-1, 0]
+    assert parts[2].weights.tolist() == [0.25]
 
 
 @pytest.mark.parametrize("seed", range(4))
