@@ -16,7 +16,6 @@ request of a batch with the entry of its budget.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import threading
 from contextlib import contextmanager
@@ -402,16 +401,12 @@ def draft_with_entries(
         ids, budgets: [B] request ids and int32 budgets; external, source_factors: as ``Drafter.draft`` takes them.
     """
     keys = list(entries)
-    asked = budgets[budgets > 0]
-    if not asked.size:
-        return drafter.draft(ids, budgets, external, config=entries[keys[-1]], source_factors=source_factors)
-    lo, hi = int(asked.min()), int(asked.max())
-    if lo == hi or _entry_of(keys, lo) == _entry_of(keys, hi):  # one entry: one call (the usual step)
-        return drafter.draft(
-            ids, budgets, external, config=entries[keys[_entry_of(keys, hi)]], source_factors=source_factors
-        )
     which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
-    groups = np.unique(which[budgets > 0])
+    asked = which[budgets > 0]
+    if not asked.size or asked.min() == asked.max():  # one entry: one call (the usual step)
+        g = int(asked[0]) if asked.size else len(keys) - 1
+        return drafter.draft(ids, budgets, external, config=entries[keys[g]], source_factors=source_factors)
+    groups = np.unique(asked)
     parts = [
         drafter.draft(
             ids,
@@ -423,11 +418,6 @@ def draft_with_entries(
         for g in groups
     ]
     return _merge_batches(parts)
-
-
-def _entry_of(keys: list[int], budget: int) -> int:
-    """The index of the entry a budget drafts with: the largest key <= it, else the smallest."""
-    return max(bisect.bisect_right(keys, budget) - 1, 0)
 
 
 def _merge_batches(parts: list[DraftBatch]) -> DraftBatch:

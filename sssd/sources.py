@@ -327,21 +327,17 @@ class DraftPipeline:
                 try:
                     t0 = time.perf_counter()
                     flat = s.propose_batch(asked) if s.well_formed else None
+                    got = list(s.propose(asked)) if flat is None else []
                     if s.defers_to_retrieval:
                         source_seconds += time.perf_counter() - t0
-                    if flat is not None:
-                        if len(flat) != len(asked):
-                            raise ValueError(f"returned {len(flat)} proposals for {len(asked)} requests")
-                        blocks.append((2 + i, np.array([where[r.request_id] for r in asked], dtype=np.int64), flat))
-                        continue
-                    t0 = time.perf_counter()
-                    got = list(s.propose(asked))
-                    if s.defers_to_retrieval:
-                        source_seconds += time.perf_counter() - t0
-                    if len(got) != len(asked):
-                        raise ValueError(f"returned {len(got)} proposals for {len(asked)} requests")
+                    n = len(flat) if flat is not None else len(got)
+                    if n != len(asked):
+                        raise ValueError(f"returned {n} proposals for {len(asked)} requests")
                 except Exception as e:  # noqa: BLE001
                     log.warning("draft source %r failed this step (%s); drafting without it", s.name, e)
+                    continue
+                if flat is not None:  # one batch for the merge as it is (CandidateBatch)
+                    blocks.append((2 + i, np.array([where[r.request_id] for r in asked], dtype=np.int64), flat))
                     continue
                 for r, c in zip(asked, got):
                     if c is None:
