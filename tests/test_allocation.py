@@ -463,3 +463,41 @@ def test_probes_that_keep_losing_come_less_often_and_one_that_wins_resets_them()
         good.observe(4, int(a.counts.sum()), float(good.forward_seconds(4, [a.counts.sum()])[0]), 0.06, 10, 1.0)
     turns = [good.drafts(4) for _ in range(64)]
     assert 64 - 64 // good.PLAIN_EVERY - 1 <= sum(turns) < 64
+
+
+def test_drafted_steps_must_beat_plain_ones_by_the_margin_to_open_the_gate():
+    """At 32 rows, steps that measure barely faster than plain ones (a run pays for speculation
+    outside them too) keep the bucket losing, so that only probes draft; steps that clear the margin
+    open it. At one row the same 1.02x opens it: the margin shrinks with the rows."""
+    margin = BatchAllocator.GAIN_MARGIN
+    for rows, gain, losing in ((32, 1.02, True), (32, 1.0 + 2 * margin, False), (1, 1.02, False)):
+        alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+        alloc.observe_plain(rows, rows / 80.0)  # plain: 80 tokens/s
+        for _ in range(6):
+            alloc.observe(rows, 8, 0.0, (rows + 1) / (gain * 80.0), rows + 1)
+        assert alloc.report()["buckets"][rows]["gain_over_plain"] == pytest.approx(gain)
+        assert alloc._losing(rows) is losing, (rows, gain)
+        turns = sum(alloc.drafts(rows) for _ in range(64))
+        assert turns <= 64 // alloc.PROBE_EVERY if losing else turns >= 64 - 64 // alloc.PLAIN_EVERY - 1
+
+
+def test_a_drafted_step_is_measured_against_a_plain_step_of_its_own_rows():
+    """A bucket of 17-32 rows whose plain steps ran full (32 rows) and a drafted step of 18 rows: it
+    is compared with a plain step of 18 rows (the bucket's fitted forward plus a plain step's time
+    beyond it), not with the plain steps' mean rows over their mean seconds, by which it would lose."""
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+
+    def forward(tokens: float) -> float:
+        return 0.032 + 0.0015 * tokens
+
+    for rows in [32] * 10 + [18] * 2:
+        alloc.observe_plain(rows, forward(rows) + 0.002, forward(rows))
+    assert alloc.fitted(32)
+    assert alloc.plain_rate(18, 0) == pytest.approx(18 / (forward(18) + 0.002), rel=0.02)
+    mean_rate = alloc._plain_rows[32] / alloc._plain[32]
+    seconds = forward(18 + 20) + 0.004
+    tokens = 1.2 * alloc.plain_rate(18, 0) * seconds  # 20 draft nodes: 1.2x a plain step of 18 rows
+    assert tokens / seconds < mean_rate  # against the plain steps' mean it would lose
+    alloc.observe(18, 20, forward(18 + 20), seconds, tokens)
+    assert alloc.report()["buckets"][32]["gain_over_plain"] == pytest.approx(1.2, rel=0.05)
+    assert not alloc._losing(32)
