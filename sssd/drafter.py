@@ -183,6 +183,15 @@ class Drafter:
         """Bytes held by the request's input trie."""
         return int(self._native.request_memory(_request_id(request_id)))
 
+    @property
+    def datastore_queries(self) -> tuple[int, int]:
+        """(requests drafted with the datastore on, how many of them skipped its query) since the
+        drafter was made. A request skips it when its budget fills, before the datastore is asked,
+        with candidates of other sources above anything the datastore could offer (a confident
+        copy of its own text): the draft is the same, minus the suffix-array search."""
+        drafted, skipped = self._native.datastore_queries()
+        return int(drafted), int(skipped)
+
     # -- drafting -----------------------------------------------------------
     def params_for(self, config: DrafterConfig) -> Any:
         """The native parameters of `config` for this drafter's requests (cached), or ValueError

@@ -316,3 +316,23 @@ def test_a_pipeline_names_the_copy_sources_nodes_from_the_start():
     assert 15 in tags and pipe.source_names[15] == "copy"
     assert all(t in pipe.source_names for t in tags)
     pipe.close(0)
+
+
+@pytest.mark.parametrize("budget", [4, 16, 48])
+def test_a_confident_copy_skips_the_datastore_query_and_drafts_the_same(small_datastore_dir, words, budget):
+    """Drafter.draft asks the datastore only when the other sources' candidates do not fill the
+    budget above anything it could offer; draft_prefix asks it always. Their drafts must be equal
+    step by step over an answer that copies its prompt (queries skipped) and one that does not."""
+    tokens, _ = words
+    docs = np.split(tokens, np.flatnonzero(tokens == sssd.SEPARATOR) + 1)
+    passage = np.concatenate([d[:-1] for d in docs[8:10]]).tolist()  # corpus text: the datastore matches it too
+    other = np.concatenate([d[:-1] for d in docs[5:7]]).tolist()
+    rng = np.random.default_rng(5)
+    edited = [x if rng.random() > 0.03 else int(tokens[int(rng.integers(len(tokens)))]) for x in passage]
+    ds = sssd.Datastore.open(small_datastore_dir)
+    d = sssd.Drafter(ds, sssd.DrafterConfig(budget=budget))
+    for text in (passage + other[:40] + edited, passage + other):
+        assert_stateful_equals_stateless(d, text, len(passage) + 40, budget, lambda pos: int(rng.integers(1, 6)))
+        d.close(0)
+    drafted, skipped = d.datastore_queries
+    assert drafted > 100 and 0 < skipped < drafted, (drafted, skipped)

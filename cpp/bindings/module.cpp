@@ -605,6 +605,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
            "request_id"_a)
       .def("request_memory", [](const sssd::Drafter& d, py::handle rid) { return d.request_memory(request_id(rid)); },
            "request_id"_a)
+      .def("datastore_queries", [](const sssd::Drafter& d) {
+        const auto c = d.datastore_queries();
+        return py::make_tuple(c.drafted, c.skipped);
+      }, "(requests drafted with the datastore on, of which skipped its query) since the drafter was made")
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
                        py::object external, const sssd::DrafterParams* params, py::object source_factors) {
         const RequestIds id_span(ids);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
-#include <optional>
 
 #include "sssd/check.h"
 #include "sssd/continuation_tree.h"
@@ -18,20 +17,40 @@ namespace sssd {
 // flight to hide memory latency, few enough that their trees stay in cache.
 constexpr size_t kInterleave = 16;
 
-// Per-thread buffers reused across the requests of a batch.
-struct Drafter::Scratch {
-  ContinuationTree datastore_trees[kInterleave];
-  std::vector<Task<QueryStats>> queries;
+// What one request of an interleaved group holds from its first merge phase to its last: the
+// trees its draft merges (trees[0]: the datastore's, empty until it is asked) and their storage.
+struct Drafter::Slot {
+  std::vector<SourceTree> trees;
+  TreeMerger merger;
+  ContinuationTree datastore_tree, copy_tree;
   // One tree per external source tag (index tag - kExternal), and its nodes' q.
   ContinuationTree external_trees[kMaxSources - int(Source::kExternal)];
   std::vector<float> external_q[kMaxSources - int(Source::kExternal)];
+};
+
+// Per-thread buffers, kept from call to call (thread_scratch).
+struct Drafter::Scratch {
+  Slot slots[kInterleave];
+  std::vector<Task<QueryStats>> queries;
+  std::vector<uint32_t> asked;  // the slots whose datastore is queried, in the queries' order
   std::vector<uint32_t> external_ids;
   std::vector<double> external_path;
-  std::vector<SourceTree> trees;
-  ContinuationTree copy_tree;
   std::vector<token_t> copy_path, copy_edited;
-  TreeMerger merger;
 };
+
+Drafter::Scratch& Drafter::thread_scratch() {
+  thread_local std::unique_ptr<Scratch> scratch;
+  if (!scratch) scratch = std::make_unique<Scratch>();
+  return *scratch;
+}
+
+// The datastore's priorities are at most this (its tree's scale and level as collect() left them
+// in the placeholder, its table cells at their best, probabilities at 1 give or take float sums).
+static double datastore_bound(const DrafterParams& p, const SourceTree& placeholder) {
+  constexpr double kSlack = 1.001;
+  const double level = placeholder.level > 1 ? std::pow(placeholder.level, p.datastore.deepest() - 1) : 1.0;
+  return placeholder.scale * p.scores.max_priority(Source::kDatastore) * level * kSlack;
+}
 
 void check_params(const DrafterParams& p) {
   check_query(p.datastore);
@@ -197,55 +216,76 @@ void Drafter::check_compatible(const DrafterParams& p) const {
 void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
                           const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
                           Scratch& s, DraftTree* out) const {
-  // The group's datastore queries run interleaved, then each request merges.
+  // Every source but the datastore first, merged while its best candidate beats anything the
+  // datastore could offer: a request whose budget fills that way (a confident copy) needs no query.
   const bool use_ds = p.use_datastore && datastore_;
   s.queries.clear();
-  for (size_t b = begin; b < end && use_ds; ++b) {
-    const auto context = budgets[b] > 0 ? tries[b]->tokens() : std::span<const token_t>{};
-    s.queries.push_back(datastore_->query_task(context, p.datastore, &s.datastore_trees[b - begin]));
+  s.asked.clear();
+  for (size_t b = begin; b < end; ++b) {
+    Slot& slot = s.slots[b - begin];
+    collect(p, *tries[b], budgets[b], external, factors, b, s, slot);
+    slot.merger.start(slot.trees, p.scores, out[b]);
+    if (!use_ds) {
+      slot.merger.run(slot.trees, p.scores, budgets[b], out[b]);
+      continue;
+    }
+    slot.merger.run(slot.trees, p.scores, budgets[b], out[b], datastore_bound(p, slot.trees[0]));
+    if (out[b].size() < size_t(std::max(budgets[b], 0))) {
+      s.asked.push_back(uint32_t(b - begin));
+      s.queries.push_back(datastore_->query_task(tries[b]->tokens(), p.datastore, &slot.datastore_tree));
+    }
+  }
+  // The others' queries run interleaved; each of those requests then merges on with its datastore tree.
+  if (use_ds) {
+    const size_t drafted = size_t(std::count_if(budgets + begin, budgets + end, [](int32_t x) { return x > 0; }));
+    drafted_.fetch_add(drafted, std::memory_order_relaxed);
+    skipped_.fetch_add(drafted - s.queries.size(), std::memory_order_relaxed);
   }
   run_interleaved(std::span<Task<QueryStats>>(s.queries));
-  for (size_t b = begin; b < end; ++b) {
-    const QueryStats qs = use_ds ? s.queries[b - begin].result() : QueryStats{};
-    draft_one(p, *tries[b], budgets[b], external, factors, b, use_ds ? &s.datastore_trees[b - begin] : nullptr, qs,
-              s, out[b]);
+  for (size_t i = 0; i < s.asked.size(); ++i) {
+    const size_t b = begin + s.asked[i];
+    Slot& slot = s.slots[s.asked[i]];
+    const QueryStats qs = s.queries[i].result();
+    if (qs.match_len > 0) {
+      SourceTree& t = slot.trees[0];
+      SourceTree v = slot.datastore_tree.view(Source::kDatastore, qs.match_len, p.datastore.deepest());
+      v.scale = t.scale;
+      v.level = t.level;
+      t = v;
+      slot.merger.add(slot.trees, 0, p.scores);
+    }
+    slot.merger.run(slot.trees, p.scores, budgets[b], out[b]);
   }
 }
 
-void Drafter::draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-                        const SourceFactors* factors, size_t b, ContinuationTree* datastore_tree,
-                        const QueryStats& qs, Scratch& s, DraftTree& out) const {
-  s.trees.clear();
-  if (budget > 0) {
-    const std::span<const token_t> context = trie.tokens();
-    if (datastore_tree && qs.match_len > 0) {
-      s.trees.push_back(datastore_tree->view(Source::kDatastore, qs.match_len, p.datastore.deepest()));
-    }
-    if (p.use_input) {
-      const int longest = int(std::min<size_t>(context.size(), size_t(p.input_max_match)));
-      for (int len = longest; len >= 1; --len) {
-        SourceTree t = trie.continuations(len);
-        if (!t.empty()) {
-          t.max_depth = std::min(t.max_depth, p.input_branch_len);
-          s.trees.push_back(t);
-        }
+void Drafter::collect(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
+                      const SourceFactors* factors, size_t b, Scratch& s, Slot& slot) const {
+  slot.trees.assign(1, SourceTree{});  // the datastore's place: its index ranks it first among equals
+  if (budget <= 0) return;
+  const std::span<const token_t> context = trie.tokens();
+  if (p.use_input) {
+    const int longest = int(std::min<size_t>(context.size(), size_t(p.input_max_match)));
+    for (int len = longest; len >= 1; --len) {
+      SourceTree t = trie.continuations(len);
+      if (!t.empty()) {
+        t.max_depth = std::min(t.max_depth, p.input_branch_len);
+        slot.trees.push_back(t);
       }
-      add_copy(p, trie.copy(), context, s);
     }
-    if (external) add_external(*external, b, s);
-    if (factors) {
-      const size_t row = b * size_t(kMaxSources);
-      for (SourceTree& t : s.trees) {
-        t.scale *= double(factors->scale[row + size_t(t.source)]);
-        t.level *= double(factors->level[row + size_t(t.source)]);
-      }
+    add_copy(p, trie.copy(), context, s, slot);
+  }
+  if (external) add_external(*external, b, s, slot);
+  if (factors) {
+    const size_t row = b * size_t(kMaxSources);
+    for (SourceTree& t : slot.trees) {
+      t.scale *= double(factors->scale[row + size_t(t.source)]);
+      t.level *= double(factors->level[row + size_t(t.source)]);
     }
   }
-  s.merger.merge(s.trees, p.scores, budget, out);
 }
 
 void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
-                       Scratch& s) {
+                       Scratch& s, Slot& slot) {
   if (p.copy_max_branch_len == 0 || !copy.enabled()) return;
   SuffixAutomaton::Repeat r = copy.repeat();
   if (r.length < uint32_t(p.copy_min_match) || r.count == 0) {
@@ -263,7 +303,7 @@ void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<
   const int depth = p.copy_branch_per_match > 0
                         ? std::min(p.copy_max_branch_len, std::max(p.input_branch_len, int(wanted)))
                         : p.copy_max_branch_len;
-  ContinuationTree& t = s.copy_tree;
+  ContinuationTree& t = slot.copy_tree;
   t.clear();
   std::vector<token_t>& path = s.copy_path;
   std::vector<token_t>& edited = s.copy_edited;
@@ -287,11 +327,11 @@ void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<
   v.depth_rate = copy.rate(p.copy_rate, p.copy_evidence);
   // The other sources' guesses differ from the copy's (where they agree, the copy's node is the
   // same draft node): they need the copy to be wrong.
-  for (SourceTree& other : s.trees) other.scale *= 1.0 - p.copy_exclusion * v.depth_rate;
-  s.trees.push_back(v);
+  for (SourceTree& other : slot.trees) other.scale *= 1.0 - p.copy_exclusion * v.depth_rate;
+  slot.trees.push_back(v);
 }
 
-void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) const {
+void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot) const {
   const size_t begin = size_t(external.offsets[b]), end = size_t(external.offsets[b + 1]);
   if (begin == end) return;
   constexpr int kFirst = int(Source::kExternal);
@@ -304,8 +344,8 @@ void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) 
   const auto weights = external.weights.subspan(begin, n);
   for (size_t k = 0; k < n; ++k) {
     const int tag = external.sources.empty() ? kFirst : int(external.sources[begin + k]);
-    ContinuationTree& tree = s.external_trees[tag - kFirst];
-    std::vector<float>& q = s.external_q[tag - kFirst];
+    ContinuationTree& tree = slot.external_trees[tag - kFirst];
+    std::vector<float>& q = slot.external_q[tag - kFirst];
     if (!used[tag]) {
       used[tag] = true;
       tree.clear();
@@ -318,10 +358,10 @@ void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s) 
   }
   for (int tag = kFirst; tag < kMaxSources; ++tag) {
     if (!used[tag]) continue;
-    SourceTree t = s.external_trees[tag - kFirst].view(Source(tag), 0, kMaxBudget);
+    SourceTree t = slot.external_trees[tag - kFirst].view(Source(tag), 0, kMaxBudget);
     t.total = 1.0;
-    t.draft_probs = s.external_q[tag - kFirst].data();
-    s.trees.push_back(t);
+    t.draft_probs = slot.external_q[tag - kFirst].data();
+    slot.trees.push_back(t);
   }
 }
 
@@ -402,8 +442,8 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
   {
     // Made under the capture too: it allocates, and nothing may throw out of
     // the region. If it failed, capture.run skips every body below.
-    std::optional<Scratch> scratch;
-    capture.run([&] { scratch.emplace(); });
+    Scratch* scratch = nullptr;
+    capture.run([&] { scratch = &thread_scratch(); });
 #pragma omp for schedule(dynamic, 1)
     for (size_t g = 0; g < groups; ++g) {
       capture.run([&] {
@@ -476,37 +516,35 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
     // changes the input source's counts: draft through a real trie.
     const auto trie = make_trie();
     trie->extend(context);
-    Scratch scratch;
     const RequestTrie* tries[1] = {trie.get()};
-    draft_group(p, tries, &budget, nullptr, nullptr, 0, 1, scratch, &out);
+    draft_group(p, tries, &budget, nullptr, nullptr, 0, 1, thread_scratch(), &out);
     return out;
   }
-  // One call's buffers, reused by the thread's next call.
-  thread_local std::unique_ptr<Scratch> scratch;
+  // Every source asked up front and merged at once (draft() merges in two phases: tests compare them).
   thread_local std::vector<ContinuationTree> inputs;
-  if (!scratch) scratch = std::make_unique<Scratch>();
-  Scratch& s = *scratch;
-  s.trees.clear();
+  Scratch& s = thread_scratch();
+  Slot& slot = s.slots[0];
+  slot.trees.clear();
   if (budget > 0) {
     if (p.use_datastore && datastore_) {
-      auto task = datastore_->query_task(context, p.datastore, &s.datastore_trees[0]);
+      auto task = datastore_->query_task(context, p.datastore, &slot.datastore_tree);
       const QueryStats qs = run(task);
       if (qs.match_len > 0) {
-        s.trees.push_back(s.datastore_trees[0].view(Source::kDatastore, qs.match_len, p.datastore.deepest()));
+        slot.trees.push_back(slot.datastore_tree.view(Source::kDatastore, qs.match_len, p.datastore.deepest()));
       }
     }
     if (p.use_input) {
       input_trees(context, int(std::min<size_t>(context.size(), size_t(p.input_max_match))), depth,
-                  p.input_branch_len, inputs, s.trees);
+                  p.input_branch_len, inputs, slot.trees);
       const CopySettings cs = copy_settings(p);
       if (cs.max_tokens > 0) {  // the copy index a request of this context would hold
         CopyIndex copy(cs.max_tokens, cs.min_match, cs.half_life);
         for (size_t i = 0; i < context.size(); ++i) copy.append(context.first(i), context[i]);
-        add_copy(p, copy, context, s);
+        add_copy(p, copy, context, s, slot);
       }
     }
   }
-  s.merger.merge(s.trees, p.scores, budget, out);
+  slot.merger.merge(slot.trees, p.scores, budget, out);
   return out;
 }
 

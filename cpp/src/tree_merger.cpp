@@ -38,19 +38,25 @@ void TreeMerger::expand(const SourceTree& t, uint32_t tree_index, uint32_t node,
   push(begin, end, tree_index, draft_parent, depth);
 }
 
-void TreeMerger::merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget,
-                       DraftTree& out) {
+void TreeMerger::start(std::span<const SourceTree> trees, const ScoreTable& table, DraftTree& out) {
   out.clear();
   heap_.clear();
   siblings_.clear();
   first_child_.clear();
   next_sibling_.clear();
   root_first_child_ = -1;
-  if (budget <= 0) return;
-  for (uint32_t i = 0; i < trees.size(); ++i) {
-    if (!trees[i].empty() && trees[i].max_depth >= 1) expand(trees[i], i, trees[i].root, -1, 1, table);
-  }
-  while (!heap_.empty() && out.size() < size_t(budget)) {
+  for (uint32_t i = 0; i < trees.size(); ++i) add(trees, i, table);
+}
+
+void TreeMerger::add(std::span<const SourceTree> trees, uint32_t index, const ScoreTable& table) {
+  const SourceTree& t = trees[index];
+  if (!t.empty() && t.max_depth >= 1) expand(t, index, t.root, -1, 1, table);
+}
+
+void TreeMerger::run(std::span<const SourceTree> trees, const ScoreTable& table, int budget, DraftTree& out,
+                     double floor) {
+  while (!heap_.empty() && out.size() < size_t(std::max(budget, 0))) {
+    if (!(heap_.front().priority > floor)) return;
     std::pop_heap(heap_.begin(), heap_.end(), Worse{});
     const Candidate c = heap_.back();
     heap_.pop_back();

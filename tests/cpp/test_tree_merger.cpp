@@ -7,6 +7,7 @@
 // random eager trees with random weights; discounts are random.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -118,6 +119,100 @@ TEST(TreeMerger, MatchesTheNaiveAlgorithm1) {
       EXPECT_EQ(out.depths[i], want[i].depth) << "round " << round << " node " << i;
       EXPECT_EQ(out.scores[i], want[i].score) << "round " << round << " node " << i;
       EXPECT_EQ(out.sources[i], want[i].source) << "round " << round << " node " << i;
+    }
+  }
+}
+
+// The highest priority of a tree's candidates (every node within max_depth).
+double max_candidate_priority(const SourceTree& t, const ScoreTable& table) {
+  double best = 0;
+  std::vector<std::pair<uint32_t, int>> stack{{t.root, 0}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    if (depth >= t.max_depth) continue;
+    for (uint32_t c = t.nodes[node].first_child; c != kNoNode; c = t.nodes[c].next_sibling) {
+      double p = t.scale * table.priority(t.source, t.match_len, depth + 1, t.nodes[c].weight / t.total);
+      if (t.level != 1) p *= std::pow(t.level, depth);
+      best = std::max(best, p);
+      stack.push_back({c, depth + 1});
+    }
+  }
+  return best;
+}
+
+// Drafter::draft merges every source but the datastore while their best candidate beats the
+// datastore's bound, and adds the datastore only if the budget is not full by then.
+TEST(TreeMerger, ATreeAddedOnceTheOthersFallToItsBoundMergesAsIfThereFromTheStart) {
+  std::mt19937_64 rng(7);
+  TreeMerger full, steps;
+  int stopped = 0, filled = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const int max_match = 3, max_depth = 5;
+    std::vector<double> factors(size_t(kNumSources) * (max_match + 1) * (max_depth + 1));
+    std::uniform_real_distribution<double> f(0.0, 1.0);
+    for (auto& x : factors) x = std::round(f(rng) * 4) / 4;  // ties common
+    const ScoreTable table(max_match, max_depth, factors);
+    const int ntrees = std::uniform_int_distribution<int>(1, 4)(rng);
+    std::vector<ContinuationTree> owned(static_cast<size_t>(ntrees));
+    std::vector<SourceTree> views;
+    for (int i = 0; i < ntrees; ++i) {
+      owned[size_t(i)] = random_tree(rng);
+      SourceTree v = owned[size_t(i)].view(Source(i % kNumSources), i % (max_match + 1),
+                                           std::uniform_int_distribution<int>(0, max_depth)(rng));
+      v.scale = std::round(f(rng) * 8) / 4;
+      if (round % 2) v.level = 0.5 + std::round(f(rng) * 4) / 4;
+      views.push_back(v);
+    }
+    const uint32_t late = uint32_t(std::uniform_int_distribution<int>(0, ntrees - 1)(rng));
+    const SourceTree& t = views[late];
+    // The floor: a bound as the drafter's (the table's best cell), or the tree's exact best,
+    // which puts candidates of other trees exactly at the floor.
+    const double level = t.level > 1 ? std::pow(t.level, t.max_depth - 1) : 1.0;
+    const double floor = round % 3 ? t.scale * table.max_priority(t.source) * level
+                                   : max_candidate_priority(t, table);
+    ASSERT_LE(max_candidate_priority(t, table), t.scale * table.max_priority(t.source) * level);
+    const int budget = std::uniform_int_distribution<int>(0, 30)(rng);
+
+    DraftTree want, got;
+    full.merge(views, table, budget, want);
+    std::vector<SourceTree> later = views;
+    later[late] = SourceTree{};
+    steps.start(later, table, got);
+    steps.run(later, table, budget, got, floor);
+    (got.size() < size_t(budget) ? stopped : filled) += 1;
+    later[late] = views[late];
+    steps.add(later, late, table);
+    steps.run(later, table, budget, got);
+    ASSERT_EQ(got.tokens, want.tokens) << "round " << round;
+    ASSERT_EQ(got.parents, want.parents) << "round " << round;
+    ASSERT_EQ(got.depths, want.depths) << "round " << round;
+    ASSERT_EQ(got.scores, want.scores) << "round " << round;
+    ASSERT_EQ(got.sources, want.sources) << "round " << round;
+  }
+  EXPECT_GT(stopped, 100);  // both ways taken often
+  EXPECT_GT(filled, 100);
+}
+
+TEST(ScoreTable, MaxPriorityBoundsEveryCellAndCurve) {
+  const int max_match = 2, max_depth = 3;
+  std::vector<double> factors(size_t(kNumSources) * (max_match + 1) * (max_depth + 1), 0.5);
+  std::vector<int32_t> curve_of(factors.size(), -1);
+  for (size_t c = 0; c < factors.size(); ++c) {
+    if (c % (max_depth + 1) == 0) factors[c] = 9;  // depth 0: never read, so not in the bound
+  }
+  const size_t input = size_t(Source::kInput) * (max_match + 1) * (max_depth + 1);
+  factors[input + 1 * (max_depth + 1) + 2] = 0.8;  // match 1, depth 2
+  curve_of[input + 1 * (max_depth + 1) + 2] = 0;
+  const ScoreTable table(max_match, max_depth, factors, curve_of, {Curve{{0.0, 0.5, 0.9}, {0.1, 0.6, 0.7}}});
+  EXPECT_DOUBLE_EQ(table.max_priority(Source::kDatastore), 0.5);
+  EXPECT_DOUBLE_EQ(table.max_priority(Source::kInput), 0.8 * 0.7);
+  EXPECT_DOUBLE_EQ(table.max_priority(Source::kCopy), 0.5);  // beyond the table: its last source
+  for (int m = 0; m <= max_match + 1; ++m) {
+    for (int d = 1; d <= max_depth + 1; ++d) {
+      for (double p = 0; p <= 1.0; p += 0.125) {
+        EXPECT_LE(table.priority(Source::kInput, m, d, p), table.max_priority(Source::kInput));
+      }
     }
   }
 }

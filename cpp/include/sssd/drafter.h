@@ -123,6 +123,16 @@ class Drafter {
   /// built for this call only).
   DraftTree draft_context(std::span<const token_t> context, int budget) const;
 
+  /// Datastore queries since the drafter was made: the requests drafted with a budget and the
+  /// datastore on, and how many of them it skipped (their budget filled, before it was asked,
+  /// with candidates of other sources above anything it could offer).
+  struct QueryCounts {
+    uint64_t drafted = 0, skipped = 0;
+  };
+  QueryCounts datastore_queries() const {
+    return {drafted_.load(std::memory_order_relaxed), skipped_.load(std::memory_order_relaxed)};
+  }
+
   const DrafterParams& params() const { return params_; }
   const std::shared_ptr<const Datastore>& datastore() const { return datastore_; }
   int num_threads() const { return threads_.load(std::memory_order_relaxed); }
@@ -135,21 +145,24 @@ class Drafter {
   void check_tokens(std::span<const token_t> tokens, const char* what) const;
 
  private:
+  struct Slot;
   struct Scratch;
-  void add_external(const ExternalTrees& external, size_t b, Scratch& s) const;
+  static Scratch& thread_scratch();
+  void add_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot) const;
   void draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
                    const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
                    Scratch& scratch, DraftTree* out) const;
-  void draft_one(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-                 const SourceFactors* factors, size_t b, ContinuationTree* datastore_tree, const QueryStats& qs,
-                 Scratch& scratch, DraftTree& out) const;
+  /// Request b's trees but the datastore's (whose place, slot.trees[0], stays empty).
+  void collect(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
+               const SourceFactors* factors, size_t b, Scratch& scratch, Slot& slot) const;
   static void add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
-                       Scratch& scratch);
+                       Scratch& scratch, Slot& slot);
   std::unique_ptr<RequestTrie> make_trie() const;
 
   std::shared_ptr<const Datastore> datastore_;
   DrafterParams params_;
   std::atomic<int> threads_;
+  mutable std::atomic<uint64_t> drafted_{0}, skipped_{0};  // datastore_queries()
   mutable std::shared_mutex mu_;
   std::unordered_map<uint64_t, std::unique_ptr<RequestTrie>> requests_;
 };

@@ -72,6 +72,16 @@ class ScoreTable {
                        "curves must have increasing knots and non-decreasing, finite, >= 0 values");
       }
     }
+    // The highest priority each source's cells give (probabilities are <= 1, curves monotone).
+    const size_t per_source = cells / size_t(num_sources);
+    max_priority_.assign(size_t(num_sources), 0.0);
+    for (size_t cell = 0; cell < cells; ++cell) {
+      if (cell % (size_t(max_depth) + 1) == 0) continue;  // depth 0: never read
+      const bool curved = !curve_of_.empty() && curve_of_[cell] >= 0;
+      const double p = factors_[cell] * (curved ? curves_[size_t(curve_of_[cell])](1.0) : 1.0);
+      double& m = max_priority_[cell / per_source];
+      m = std::max(m, p);
+    }
   }
 
   /// Priority of a candidate with source probability p.
@@ -83,6 +93,9 @@ class ScoreTable {
 
   /// The discount factor alone (kept for tests and reports).
   double operator()(Source source, int match_len, int depth) const { return factors_[cell(source, match_len, depth)]; }
+
+  /// An upper bound of priority(source, *, *, p) for every p <= 1.
+  double max_priority(Source source) const { return max_priority_[size_t(std::min(int(source), num_sources_ - 1))]; }
 
   int max_match() const { return max_match_; }
   int max_depth() const { return max_depth_; }
@@ -103,6 +116,7 @@ class ScoreTable {
   std::vector<double> factors_;
   std::vector<int32_t> curve_of_;
   std::vector<Curve> curves_;
+  std::vector<double> max_priority_;  // per source
 };
 
 }  // namespace sssd

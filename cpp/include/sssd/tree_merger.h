@@ -13,6 +13,7 @@
 // A TreeMerger holds scratch buffers only; use one per thread.
 #pragma once
 
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -25,7 +26,26 @@ namespace sssd {
 class TreeMerger {
  public:
   /// Merges `trees` into `out` (cleared first), at most `budget` nodes.
-  void merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget, DraftTree& out);
+  void merge(std::span<const SourceTree> trees, const ScoreTable& table, int budget, DraftTree& out) {
+    start(budget > 0 ? trees : std::span<const SourceTree>{}, table, out);  // budget 0: expand nothing
+    run(trees, table, budget, out);
+  }
+
+  // A merge in steps, for a source that is costly to ask (the datastore): merge the others while
+  // their best candidate beats anything it could offer (`floor`, its priorities' bound), and ask
+  // it only if the budget is not full by then. A tree added later whose every priority is <=
+  // floor cannot be inserted before a candidate above floor, so start + run(floor) + add + run
+  // inserts exactly what merge with the tree from the start does, in the same order. The tree's
+  // slot in `trees` must be there from the start (its index breaks ties), empty until added.
+
+  /// Starts a merge of `trees` into `out` (cleared first): their roots' children become candidates.
+  void start(std::span<const SourceTree> trees, const ScoreTable& table, DraftTree& out);
+  /// Adds trees[index], empty when the merge started, to it.
+  void add(std::span<const SourceTree> trees, uint32_t index, const ScoreTable& table);
+  /// Inserts candidates best first until `out` holds `budget` nodes, none is left, or the best
+  /// left has priority <= floor.
+  void run(std::span<const SourceTree> trees, const ScoreTable& table, int budget, DraftTree& out,
+           double floor = -std::numeric_limits<double>::infinity());
 
  private:
   // A source node waiting in a sorted sibling list.
