@@ -85,29 +85,45 @@ ContinuationTree random_tree(std::mt19937_64& rng) {
   return t;
 }
 
+// Random source trees under a random score table; `with_factors`: each tree also gets a request's
+// scale and level (Drafter::draft's SourceFactors). Filled in place: the views point into `owned`.
+struct RandomMerge {
+  ScoreTable table;
+  std::vector<ContinuationTree> owned;
+  std::vector<SourceTree> views;
+};
+
+void random_merge(std::mt19937_64& rng, int min_trees, bool with_factors, RandomMerge& out) {
+  const int max_match = 3, max_depth = 5;
+  std::vector<double> factors(size_t(kNumSources) * (max_match + 1) * (max_depth + 1));
+  std::uniform_real_distribution<double> f(0.0, 1.0);
+  // Coarse factors make equal priorities (the tie-breaks) common.
+  for (auto& x : factors) x = std::round(f(rng) * 4) / 4;
+  out.table = ScoreTable(max_match, max_depth, factors);
+  const int ntrees = std::uniform_int_distribution<int>(min_trees, 4)(rng);
+  out.owned.clear();
+  out.owned.resize(size_t(ntrees));
+  out.views.clear();
+  for (int i = 0; i < ntrees; ++i) {
+    out.owned[size_t(i)] = random_tree(rng);
+    SourceTree v = out.owned[size_t(i)].view(Source(i % kNumSources), i % (max_match + 1),
+                                             std::uniform_int_distribution<int>(0, max_depth)(rng));
+    if (with_factors) {
+      v.scale = std::round(f(rng) * 8) / 4;
+      v.level = 0.5 + std::round(f(rng) * 4) / 4;
+    }
+    out.views.push_back(v);
+  }
+}
+
 TEST(TreeMerger, MatchesTheNaiveAlgorithm1) {
   std::mt19937_64 rng(2024);
   TreeMerger merger;  // reused across rounds, as a drafter thread does
+  RandomMerge m;
   for (int round = 0; round < 500; ++round) {
-    const int max_match = 3, max_depth = 5;
-    std::vector<double> factors(size_t(kNumSources) * (max_match + 1) * (max_depth + 1));
-    std::uniform_real_distribution<double> f(0.0, 1.0);
-    // Coarse factors make equal priorities (the tie-breaks) common.
-    for (auto& x : factors) x = std::round(f(rng) * 4) / 4;
-    const ScoreTable table(max_match, max_depth, factors);
-    const int ntrees = std::uniform_int_distribution<int>(0, 4)(rng);
-    std::vector<ContinuationTree> owned(static_cast<size_t>(ntrees));
-    std::vector<SourceTree> views;
-    for (int i = 0; i < ntrees; ++i) {
-      owned[size_t(i)] = random_tree(rng);
-      SourceTree v = owned[size_t(i)].view(Source(i % kNumSources), i % (max_match + 1),
-                                           std::uniform_int_distribution<int>(0, max_depth)(rng));
-      if (round % 2) {  // per-request source factors (Drafter::draft's SourceFactors)
-        v.scale = std::round(f(rng) * 8) / 4;
-        v.level = 0.5 + std::round(f(rng) * 4) / 4;
-      }
-      views.push_back(v);
-    }
+    random_merge(rng, 0, round % 2, m);
+    const ScoreTable& table = m.table;
+    const std::vector<SourceTree>& views = m.views;
     const int budget = std::uniform_int_distribution<int>(0, 30)(rng);
     DraftTree out;
     merger.merge(views, table, budget, out);
@@ -147,23 +163,12 @@ TEST(TreeMerger, ATreeAddedOnceTheOthersFallToItsBoundMergesAsIfThereFromTheStar
   std::mt19937_64 rng(7);
   TreeMerger full, steps;
   int stopped = 0, filled = 0;
+  RandomMerge m;
   for (int round = 0; round < 2000; ++round) {
-    const int max_match = 3, max_depth = 5;
-    std::vector<double> factors(size_t(kNumSources) * (max_match + 1) * (max_depth + 1));
-    std::uniform_real_distribution<double> f(0.0, 1.0);
-    for (auto& x : factors) x = std::round(f(rng) * 4) / 4;  // ties common
-    const ScoreTable table(max_match, max_depth, factors);
-    const int ntrees = std::uniform_int_distribution<int>(1, 4)(rng);
-    std::vector<ContinuationTree> owned(static_cast<size_t>(ntrees));
-    std::vector<SourceTree> views;
-    for (int i = 0; i < ntrees; ++i) {
-      owned[size_t(i)] = random_tree(rng);
-      SourceTree v = owned[size_t(i)].view(Source(i % kNumSources), i % (max_match + 1),
-                                           std::uniform_int_distribution<int>(0, max_depth)(rng));
-      v.scale = std::round(f(rng) * 8) / 4;
-      if (round % 2) v.level = 0.5 + std::round(f(rng) * 4) / 4;
-      views.push_back(v);
-    }
+    random_merge(rng, 1, true, m);
+    const ScoreTable& table = m.table;
+    const std::vector<SourceTree>& views = m.views;
+    const int ntrees = int(views.size());
     const uint32_t late = uint32_t(std::uniform_int_distribution<int>(0, ntrees - 1)(rng));
     const SourceTree& t = views[late];
     // The floor: a bound as the drafter's (the table's best cell), or the tree's exact best,
