@@ -86,11 +86,25 @@ class Calibration:
     curves: tuple[tuple[int, int, int, tuple[float, ...], tuple[float, ...]], ...] = ()
 
     @staticmethod
-    def bin_of(edges: tuple[int, ...], value: int) -> int:
-        i = 0
-        while i + 1 < len(edges) and edges[i + 1] <= value:
-            i += 1
-        return i
+    def bin_of(edges: tuple[int, ...], value: int | np.ndarray) -> int | np.ndarray:
+        """The bin holding value(s): the last edge <= it (the first bin below every edge)."""
+        i = np.maximum(np.searchsorted(edges, value, side="right") - 1, 0)
+        return int(i) if np.ndim(i) == 0 else i
+
+    def curve_index(self, num_sources: int, max_match: int, max_depth: int) -> np.ndarray:
+        """[num_sources, max_match + 1, max_depth + 1] int32: the index in ``curves`` of each
+        (source, match length, depth) cell's curve, -1 for none (depth 0 and sources past the
+        third: none)."""
+        out = np.full((num_sources, max_match + 1, max_depth + 1), -1, dtype=np.int32)
+        fitted = np.full((3, max(1, len(self.match_bins)), max(1, len(self.depth_bins))), -1, dtype=np.int32)
+        for i, (s, m, d, _, _) in enumerate(self.curves):  # a later curve of the same cell wins
+            if 0 <= s < 3 and 0 <= m < fitted.shape[1] and 0 <= d < fitted.shape[2]:
+                fitted[s, m, d] = i
+        m = self.bin_of(self.match_bins, np.arange(max_match + 1))
+        d = self.bin_of(self.depth_bins, np.arange(1, max_depth + 1))
+        k = min(num_sources, 3)
+        out[:k, :, 1:] = fitted[:k][:, m][:, :, d]
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,12 +162,7 @@ class DiscountParams:
             return _core.ScoreTable(max_match, max_depth, factors.ravel(), num_sources=n)
         if external is None:
             factors[2:, :, 1:] = 1.0  # (the calibrated external source of a calibration file)
-        index = {(s, m, d): i for i, (s, m, d, _, _) in enumerate(cal.curves)}
-        curve_of = np.full((n, max_match + 1, max_depth + 1), -1, dtype=np.int32)
-        for s in range(min(n, 3)):
-            for m in range(max_match + 1):
-                for d in range(1, max_depth + 1):
-                    curve_of[s, m, d] = index.get((s, cal.bin_of(cal.match_bins, m), cal.bin_of(cal.depth_bins, d)), -1)
+        curve_of = cal.curve_index(n, max_match, max_depth)
         curves = [(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)) for _, _, _, x, y in cal.curves]
         return _core.ScoreTable(max_match, max_depth, factors.ravel(), curve_of.ravel(), curves, num_sources=n)
 

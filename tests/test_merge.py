@@ -142,6 +142,37 @@ def test_discount_params_table_shape():
     assert t(sssd.SOURCE_INPUT, 4, 1) < t(sssd.SOURCE_DATASTORE, 4, 1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 12), max_size=4, unique=True),
+    st.lists(st.integers(2, 40), max_size=4, unique=True),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5), st.integers(0, 5)), max_size=30),
+    st.integers(1, 4),
+)
+def test_curve_index_equals_a_cell_by_cell_lookup(match_edges, depth_edges, cells, sources):
+    """Each (source, match length, depth) cell gets the curve of its bins (the last listed for a
+    bin twice), as a lookup cell by cell with the bins found by a linear scan does."""
+    cal = sssd.config.Calibration(
+        (0, *sorted(match_edges)), (1, *sorted(depth_edges)), tuple((s, m, d, (0.0,), (0.5,)) for s, m, d in cells)
+    )
+
+    def bin_of(edges, value):
+        i = 0
+        while i + 1 < len(edges) and edges[i + 1] <= value:
+            i += 1
+        return i
+
+    index = {(s, m, d): i for i, (s, m, d, _, _) in enumerate(cal.curves)}
+    max_match, max_depth = 14, 45
+    got = cal.curve_index(sources, max_match, max_depth)
+    assert got.shape == (sources, max_match + 1, max_depth + 1) and (got[:, :, 0] == -1).all()
+    for s in range(sources):
+        for m in range(max_match + 1):
+            for d in range(1, max_depth + 1):
+                want = index.get((s, bin_of(cal.match_bins, m), bin_of(cal.depth_bins, d)), -1) if s < 3 else -1
+                assert got[s, m, d] == want, (s, m, d)
+
+
 def test_score_table_sizes_do_not_overflow():
     # max_match + 1 used to be computed in int: for INT_MAX it overflowed
     # (undefined behaviour) and the expected size came out as garbage.
