@@ -86,10 +86,9 @@ class Calibration:
     curves: tuple[tuple[int, int, int, tuple[float, ...], tuple[float, ...]], ...] = ()
 
     @staticmethod
-    def bin_of(edges: tuple[int, ...], value: int | np.ndarray) -> int | np.ndarray:
-        """The bin holding value(s): the last edge <= it (the first bin below every edge)."""
-        i = np.maximum(np.searchsorted(edges, value, side="right") - 1, 0)
-        return int(i) if np.ndim(i) == 0 else i
+    def bin_of(edges: tuple[int, ...], values: np.ndarray) -> np.ndarray:
+        """The bin holding each value: the last edge <= it (the first bin below every edge)."""
+        return np.maximum(np.searchsorted(edges, values, side="right") - 1, 0)
 
     def curve_index(self, num_sources: int, max_match: int, max_depth: int) -> np.ndarray:
         """[num_sources, max_match + 1, max_depth + 1] int32: the index in ``curves`` of each
