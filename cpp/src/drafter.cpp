@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 #include "sssd/check.h"
@@ -225,12 +226,9 @@ void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* trie
     Slot& slot = s.slots[b - begin];
     collect(p, *tries[b], budgets[b], external, factors, b, s, slot);
     slot.merger.start(slot.trees, p.scores, out[b]);
-    if (!use_ds) {
-      slot.merger.run(slot.trees, p.scores, budgets[b], out[b]);
-      continue;
-    }
-    slot.merger.run(slot.trees, p.scores, budgets[b], out[b], datastore_bound(p, slot.trees[0]));
-    if (out[b].size() < size_t(std::max(budgets[b], 0))) {
+    const double floor = use_ds ? datastore_bound(p, slot.trees[0]) : -std::numeric_limits<double>::infinity();
+    slot.merger.run(slot.trees, p.scores, budgets[b], out[b], floor);
+    if (use_ds && out[b].size() < size_t(std::max(budgets[b], 0))) {
       s.asked.push_back(uint32_t(b - begin));
       s.queries.push_back(datastore_->query_task(tries[b]->tokens(), p.datastore, &slot.datastore_tree));
     }
