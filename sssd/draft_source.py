@@ -235,6 +235,10 @@ class DraftSource(abc.ABC):
             float32 weights in [0, 1], without probs or dists, by construction (a C++
             source): the pipeline skips their per-request check (Candidates.check), and
             the merge still refuses a malformed batch as a whole.
+        recent_store: a C++ store of recent outputs (sssd._core.RecentStore) that the merge asks
+            itself, inside its own call, for each request's context as the merge holds it: its
+            proposals never reach Python (sssd.RecentOutputs). None (the default): the pipeline
+            asks `propose_batch` / `propose`.
     """
 
     name: str = "custom"
@@ -242,6 +246,7 @@ class DraftSource(abc.ABC):
     observe_topk: int = 0
     defers_to_retrieval: bool = False
     well_formed: bool = False
+    recent_store: Any = None
 
     relative_cost: float = 0.0
 
@@ -273,6 +278,13 @@ class DraftSource(abc.ABC):
 
     def extend(self, request_id: int, tokens: np.ndarray) -> None:
         """Tokens the target produced were appended to a request."""
+
+    def extend_batch(self, request_ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> bool:
+        """Tokens appended to many requests at once: request_ids[b] got tokens[offsets[b]:offsets[b + 1]]
+        (int64 arrays, offsets [B + 1] from 0). A source that takes them in one call (a C++ store)
+        returns True; one that raises must have changed nothing. False (the default): the pipeline
+        calls `extend` once per request instead."""
+        return False
 
     def close(self, request_id: int) -> None:
         """A request ended."""

@@ -149,6 +149,13 @@ class Drafter:
         offsets, flat = pack_tokens(tokens)
         self._native.extend_batch(ids, offsets, flat)
 
+    def extend_packed(self, request_ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """`extend_batch` with the tokens already packed (sssd._tokens.pack_tokens: request_ids[b]
+        gets tokens[offsets[b]:offsets[b + 1]]), for a caller that hands the same batch to other
+        consumers too (sssd.sources.DraftPipeline). Every argument is checked in C++ before any
+        request changes."""
+        self._native.extend_batch(_request_ids(request_ids), offsets, tokens)
+
     def close(self, request_id: int) -> None:
         """Ends a request and frees its state."""
         self._native.close(_request_id(request_id))
@@ -219,6 +226,7 @@ class Drafter:
         external: DraftBatch | dict | None = None,
         config: DrafterConfig | None = None,
         source_factors: np.ndarray | None = None,
+        recent: tuple | None = None,
     ) -> DraftBatch:
         """Drafts one tree per request, in one parallel call.
 
@@ -240,6 +248,10 @@ class Drafter:
             source_factors: [B, MAX_SOURCES, 2] float32, per request and source tag (scale, level):
                 that request's candidates from that source rank at priority * scale * level**(depth - 1)
                 (a request's measured acceptance by source: sssd.source_evidence). None: all 1.
+            recent: (store, tag, budgets): the other requests' recent outputs (sssd._core.RecentStore) asked
+                in this call for each request's context as this drafter holds it, at most budgets[b] deep
+                (int64 [B]; 0: not asked); request b's proposals merge as external source `tag`'s
+                (DraftSource.recent_store). Another external source may not use that tag.
 
         Raises:
             KeyError: an id is not open. ValueError: a budget is out of range, or
@@ -289,7 +301,9 @@ class Drafter:
         params = None if config is None or config is self.config else self.params_for(config)
         if params is self._own_params:
             params = None  # the drafter's own: nothing to check
-        return DraftBatch.from_native(self._native.draft(ids, np.ascontiguousarray(b), ext, params, source_factors))
+        return DraftBatch.from_native(
+            self._native.draft(ids, np.ascontiguousarray(b), ext, params, source_factors, recent)
+        )
 
     def draft_prefix(self, prefix: Any, budget: int | None = None) -> DraftTree:
         """Drafts once for a token prefix without opening a request."""
@@ -396,6 +410,7 @@ def draft_with_entries(
     budgets: np.ndarray,
     external: Any = None,
     source_factors: np.ndarray | None = None,
+    recent: tuple | None = None,
 ) -> DraftBatch:
     """One DraftBatch for a batch, each request drafted with the entry of its budget (the largest
     entry budget <= it, the smallest below them all: sssd.calibration_file.select_entry).
@@ -407,14 +422,17 @@ def draft_with_entries(
     Args:
         drafter: a Drafter built with ``sssd.calibration_file.drafter_config_for(entries)``.
         entries: increasing budget -> DrafterConfig (a calibration file's: sssd.calibration_file.entries_of).
-        ids, budgets: [B] request ids and int32 budgets; external, source_factors: as ``Drafter.draft`` takes them.
+        ids, budgets: [B] request ids and int32 budgets; external, source_factors, recent: as ``Drafter.draft``
+            takes them (recent's budgets are its own: an entry's call asks it for that entry's requests only).
     """
     keys = list(entries)
     which = np.maximum(np.searchsorted(keys, budgets, side="right") - 1, 0)
     asked = which[budgets > 0]
     if not asked.size or asked.min() == asked.max():  # one entry: one call (the usual step)
         g = int(asked[0]) if asked.size else len(keys) - 1
-        return drafter.draft(ids, budgets, external, config=entries[keys[g]], source_factors=source_factors)
+        return drafter.draft(
+            ids, budgets, external, config=entries[keys[g]], source_factors=source_factors, recent=recent
+        )
     groups = np.unique(asked)
     parts = [
         drafter.draft(
@@ -423,6 +441,7 @@ def draft_with_entries(
             external,
             config=entries[keys[g]],
             source_factors=source_factors,
+            recent=None if recent is None else (*recent[:2], np.where(which == g, recent[2], 0)),
         )
         for g in groups
     ]

@@ -111,6 +111,8 @@ class RecentOutputs(DraftSource):
         self.depth_per_match = float(depth_per_match)
         if discount is not None:
             self.discount = discount
+        #: the store the merge asks itself, in its own call (DraftSource.recent_store)
+        self.recent_store = self._store
 
     def __len__(self) -> int:
         """Tokens held."""
@@ -136,6 +138,11 @@ class RecentOutputs(DraftSource):
 
     def extend(self, request_id: int, tokens: np.ndarray) -> None:
         self._store.extend(request_id, _token_ids(tokens))
+
+    def extend_batch(self, request_ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> bool:
+        """Every request's new tokens in one C++ call (one lock; checked before any request changes)."""
+        self._store.extend_batch(request_ids, offsets, tokens)
+        return True
 
     def close(self, request_id: int) -> None:
         """The request's tokens stay in the store (for the others) until the ring overwrites them."""

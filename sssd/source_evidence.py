@@ -138,8 +138,11 @@ class SourceEvidence:
 
     def extended(self, request_ids: Sequence[int] | np.ndarray, tokens: Sequence[np.ndarray]) -> None:
         """The requests' next tokens: each kept tree drafted at this context is scored by them."""
-        offsets, flat = pack_tokens(tokens)
-        self._native.extended(np.asarray(request_ids, dtype=np.int64), offsets, flat)
+        self.extended_packed(np.asarray(request_ids, dtype=np.int64), *pack_tokens(tokens))
+
+    def extended_packed(self, request_ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """`extended` with the tokens already packed (sssd._tokens.pack_tokens; request_ids int64)."""
+        self._native.extended(request_ids, offsets, tokens)
 
 
 __all__ = ["DEFAULT_EVIDENCE", "EvidenceSettings", "SourceEvidence", "MAX_SOURCES"]

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sssd._tokens import pack_tokens
 from sssd.calibration_file import drafter_config_for, entries_of, source_discount
 from sssd.config import SOURCE_COPY, SourceDiscount
 from sssd.draft_source import (  # noqa: F401  (the interface, importable from here too, where its users import it)
@@ -143,10 +144,20 @@ class DraftPipeline:
             self._call(i, s.open, request_id, prompt)
 
     def extend_batch(self, request_ids: Sequence[int], tokens: Sequence[np.ndarray]) -> None:
-        self.drafter.extend_batch(request_ids, tokens)
+        ids = np.asarray(request_ids, dtype=np.int64)
+        if len(tokens) != ids.shape[0]:
+            raise ValueError(f"got {ids.shape[0]} request ids but {len(tokens)} token lists")
+        offsets, flat = pack_tokens(tokens)  # packed once for every consumer
+        self.drafter.extend_packed(ids, offsets, flat)
         if self.evidence is not None:
-            self.evidence.extended(request_ids, tokens)
+            self.evidence.extended_packed(ids, offsets, flat)
         for i, s in enumerate(self.external):
+            if not self._failed or not any((i, rid) in self._failed for rid in ids.tolist()):
+                try:
+                    if s.extend_batch(ids, offsets, flat):
+                        continue  # one call for the batch
+                except Exception as e:  # noqa: BLE001 - it changed nothing: one request at a time finds the culprit
+                    log.warning("draft source %r failed to take a batch's tokens (%s); trying each request", s.name, e)
             for rid, t in zip(request_ids, tokens):
                 if (i, rid) not in self._failed:
                     self._call(i, s.extend, rid, t)
@@ -314,9 +325,16 @@ class DraftPipeline:
             has = alone.sizes > 0
             if has.any():
                 promised[has] = np.add.reduceat(alone.scores.astype(np.float64), alone.offsets[:-1][has])
+        recent = None  # (store, tag, budgets): a recent-outputs source the merge asks in its own call
         if self.external:
             where = {r.request_id: k for k, r in enumerate(requests)}
             for i, s in enumerate(self.external):
+                if recent is None and s.recent_store is not None and not s.defers_to_retrieval:
+                    asks = budgets.astype(np.int64)
+                    if self._failed:
+                        asks[[(i, r.request_id) in self._failed for r in requests]] = 0
+                    recent = (s.recent_store, 2 + i, asks)
+                    continue
                 asked = [r for r in requests if r.budget > 0 and (i, r.request_id) not in self._failed]
                 if s.defers_to_retrieval and not verified_next and any(s.lag(r.request_id) > r.budget for r in asked):
                     continue  # grown ahead: it catches up in a step of its own (the serial rule's)
@@ -353,8 +371,8 @@ class DraftPipeline:
                             r.request_id,
                             e,
                         )
-            external = _merge_input(len(requests), per_request, blocks)
-        proposed = external is not None and len(external["tokens"]) > 0
+            external = _merge_input(len(requests), per_request, blocks) if blocks or any(per_request) else None
+        proposed = (external is not None and len(external["tokens"]) > 0) or (recent is not None and budgets.any())
         if verified_next:
             self.deferral.drafted(
                 requests, promised, retrieval_only=not proposed, alone=alone, source_seconds=source_seconds
@@ -362,7 +380,7 @@ class DraftPipeline:
         if alone is not None and not proposed:
             batch = alone  # nothing to merge beside retrieval's own trees
         else:
-            batch = draft_with_entries(self.drafter, self.entries, ids, budgets, external, factors)
+            batch = draft_with_entries(self.drafter, self.entries, ids, budgets, external, factors, recent)
         if verified_next and self.evidence is not None:
             self.evidence.drafted(ids, [len(r.tokens) for r in requests], batch, factors)
         return batch, per_request

@@ -116,7 +116,15 @@ def test_drafts_equal_the_brute_force_store(seed, capacity):
     assert len(src) == min(capacity, len(ref.log))
 
 
-class PerRequest(RecentOutputs):
+class Batched(RecentOutputs):
+    """The same store, asked from Python for one CandidateBatch (propose_batch), not by the merge itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recent_store = None
+
+
+class PerRequest(Batched):
     """The same store, asked one Candidates a request (the path of sources without propose_batch)."""
 
     def propose(self, requests):
@@ -138,9 +146,10 @@ class Chain(DraftSource):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("beside", [None, "before", "after"])
 def test_the_pipeline_merges_a_batch_of_proposals_as_one_a_request(seed, beside):
-    """RecentOutputs hands the merge one CandidateBatch (propose_batch); the trees must be those the
-    per-request path builds from the same proposals, alone or beside a per-request source listed
-    before or after it, with requests at budget 0 in the batch."""
+    """The merge asks RecentOutputs' store itself, in its own call (DraftSource.recent_store); the
+    trees must be those of the store's proposals handed over from Python, as one CandidateBatch
+    (propose_batch) or one Candidates a request, alone or beside a per-request source listed before
+    or after it (the source tags' order), with requests at budget 0 in the batch."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(0, 30, 12) for _ in range(3)]
 
@@ -157,7 +166,7 @@ def test_the_pipeline_merges_a_batch_of_proposals_as_one_a_request(seed, beside)
         )
         return DraftPipeline(sources, sssd.DrafterConfig(use_datastore=False), vocab_size=30)
 
-    pipes = [pipeline(RecentOutputs), pipeline(PerRequest)]
+    pipes = [pipeline(RecentOutputs), pipeline(Batched), pipeline(PerRequest)]
     contexts = {}
     for rid in range(6):
         prompt = rng.integers(0, 30, 5)
@@ -173,10 +182,11 @@ def test_the_pipeline_merges_a_batch_of_proposals_as_one_a_request(seed, beside)
             contexts[rid] = np.concatenate([contexts[rid], t])
         budgets = rng.integers(0, 3, len(ids)) * 8  # some at 0: not asked
         requests = [DraftRequest(rid, contexts[rid], int(b)) for rid, b in zip(ids, budgets)]
-        flat, one_by_one = (p.draft(requests) for p in pipes)
-        for field in ("offsets", "tokens", "parents", "depths", "scores", "sources"):
-            np.testing.assert_array_equal(getattr(flat, field), getattr(one_by_one, field), err_msg=f"step {step}")
-        assert (flat.sources == 2 + (beside == "before")).any() or step < 2, "the recent outputs drafted nothing"
+        native, *from_python = (p.draft(requests) for p in pipes)
+        for other in from_python:
+            for field in ("offsets", "tokens", "parents", "depths", "scores", "sources"):
+                np.testing.assert_array_equal(getattr(native, field), getattr(other, field), err_msg=f"step {step}")
+        assert (native.sources == 2 + (beside == "before")).any() or step < 2, "the recent outputs drafted nothing"
 
 
 def test_a_candidate_batch_splits_into_its_requests():
@@ -399,6 +409,60 @@ def test_the_core_store_checks_its_arrays():
     empty = store.propose(np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64))
     assert [a.tolist() for a in empty] == [[0], [], [], []]
     assert store.memory_bytes() == 16 * 40 + 16 * 8 and len(store) == 3 and store.capacity == 16
+
+
+def test_the_store_takes_a_batch_of_extends_whole_or_not_at_all():
+    """extend_batch appends each request's tokens in order, as extend does one request at a time;
+    bad offsets or tokens are refused before any request changes."""
+    one, batch = _core.RecentStore(64, 4), _core.RecentStore(64, 4)
+    for store in (one, batch):
+        store.open(1, np.array([7, 8]))
+    parts = {1: [1, 2, 3], 2: [], 3: [4, 5]}
+    for rid, t in parts.items():
+        one.extend(rid, np.array(t, dtype=np.int64))
+    batch.extend_batch(np.array([1, 2, 3]), np.array([0, 3, 3, 5]), np.array([1, 2, 3, 4, 5]))
+    for rid in parts:
+        assert batch.history(rid).tolist() == one.history(rid).tolist()
+    assert batch.written == one.written == 7
+    for offsets, tokens, error in (
+        (np.array([0, 2]), np.array([1, 2]), "entries"),  # one offset short
+        (np.array([0, 2, 1, 3]), np.array([1, 2, 3]), "non-decreasing"),
+        (np.array([0, 1, 2, 4]), np.array([1, 2, 3]), "end at the number of tokens"),
+        (np.array([0, 1, 2, 3]), np.array([1, -2, 3]), "token ids"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            batch.extend_batch(np.array([1, 2, 3]), offsets, tokens)
+    assert batch.written == 7 and batch.history(1).tolist() == [7, 8, 1, 2, 3]
+
+
+def test_the_merge_refuses_a_bad_recent_query():
+    """Drafter.draft's `recent` (the store asked in the merge's own call): a malformed one is refused
+    with a clear error, and the drafter and store draft on afterwards."""
+    d = sssd.Drafter(None, sssd.DrafterConfig(use_datastore=False))
+    store = _core.RecentStore(64, 4)
+    d.open(1, np.array([1, 2, 3]))
+    store.open(2, np.array([1, 2]))
+    store.extend(2, np.array([3, 9, 9]))
+    ids, budgets = np.array([1]), np.array([8], np.int32)
+    ok = d.draft(ids, budgets, recent=(store, 2, np.array([8])))
+    assert 9 in ok.tokens.tolist() and (ok.sources == 2).any()  # ... 1 2 3 -> 9 9, from request 2
+    for recent, error in (
+        ((store, 2, np.array([8, 8])), "budgets for the recent outputs"),
+        ((store, 1, np.array([8])), "source tag"),
+        ((store, 15, np.array([8])), "source tag"),
+        ((store, 2, np.array([-1])), "negative"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            d.draft(ids, budgets, recent=recent)
+    chain = {"offsets": np.array([0, 1]), "tokens": np.array([4]), "parents": np.array([-1], np.int32)}
+    with pytest.raises(ValueError, match="external source's too"):
+        d.draft(ids, budgets, {**chain, "weights": np.array([1.0], np.float32)}, recent=(store, 2, np.array([8])))
+    with pytest.raises(TypeError):
+        d.draft(ids, budgets, recent=(store, 2))
+    with pytest.raises(TypeError):
+        d.draft(ids, budgets, recent=("not a store", 2, np.array([8])))
+    again = d.draft(ids, budgets, recent=(store, 2, np.array([8])))
+    np.testing.assert_array_equal(again.tokens, ok.tokens)
 
 
 def test_the_core_store_damps_with_its_own_factor():

@@ -448,6 +448,16 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::gil_scoped_release release;
         s.extend(id, t.span());
       }, "request_id"_a, "tokens"_a)
+      .def("extend_batch", [](sssd::RecentStore& s, const py::array& ids, const py::array& offsets,
+                              const py::array& tokens) {
+        const RequestIds id_span(ids);
+        const auto off = borrow<int64_t>(offsets, "offsets");
+        const Tokens t(tokens, "tokens");
+        py::gil_scoped_release release;
+        s.extend_batch(id_span.span(), off, t.span());
+      }, "request_ids"_a, "offsets"_a, "tokens"_a,
+         "Appends tokens to many requests under one lock: request_ids[b] gets tokens[offsets[b]:offsets[b + 1]] "
+         "(every argument is checked before any request changes).")
       .def("close", [](sssd::RecentStore& s, py::handle rid) {
         const uint64_t id = request_id(rid);
         py::gil_scoped_release release;
@@ -610,7 +620,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return py::make_tuple(c.drafted, c.skipped);
       }, "(requests drafted with the datastore on, of which skipped its query) since the drafter was made")
       .def("draft", [](const sssd::Drafter& d, const py::array& ids, const py::array& budgets,
-                       py::object external, const sssd::DrafterParams* params, py::object source_factors) {
+                       py::object external, const sssd::DrafterParams* params, py::object source_factors,
+                       py::object recent) {
         const RequestIds id_span(ids);
         const auto budget_span = borrow<int32_t>(budgets, "budgets");
         // The holders own copies of misaligned arrays: they outlive `ext`.
@@ -657,16 +668,31 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
           }
           factors = sssd::SourceFactors{factor_scale, factor_level};
         }
+        // (RecentStore, source tag, int64 budgets [n]): the recent outputs asked in the same call.
+        std::optional<sssd::RecentQuery> recent_query;
+        std::optional<Borrowed<int64_t>> recent_budgets;
+        if (!recent.is_none()) {
+          if (!py::isinstance<py::tuple>(recent)) throw py::type_error("recent: expected a tuple (RecentStore, tag, budgets)");
+          const auto t = recent.cast<py::tuple>();
+          if (t.size() != 3 || !py::isinstance<sssd::RecentStore>(t[0]) || !py::isinstance<py::int_>(t[1])) {
+            throw py::type_error("recent: expected (RecentStore, int tag, budgets array)");
+          }
+          recent_budgets.emplace(t[2].cast<py::array>(), "recent budgets");
+          recent_query = sssd::RecentQuery{&t[0].cast<const sssd::RecentStore&>(), t[1].cast<int>(), *recent_budgets};
+        }
         sssd::DraftBatch batch;
         {
           py::gil_scoped_release release;
           std::vector<sssd::DraftTree> trees;
-          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr, params, factors ? &*factors : nullptr);
+          d.draft(id_span.span(), budget_span, trees, ext ? &*ext : nullptr, params, factors ? &*factors : nullptr,
+                  recent_query ? &*recent_query : nullptr);
           batch = sssd::concat(trees);
         }
         return draft_batch_to_dict(std::move(batch));
       }, "request_ids"_a, "budgets"_a, "external"_a = py::none(), "params"_a = py::none(),
-         "source_factors"_a = py::none())
+         "source_factors"_a = py::none(), "recent"_a = py::none(),
+         "recent: (RecentStore, source tag, int64 budgets [n]) or None: the other requests' recent outputs, "
+         "asked in this call for each request's own context (sssd::RecentQuery)")
       .def("check_compatible", &sssd::Drafter::check_compatible, "params"_a)
       .def("draft_context", [](const sssd::Drafter& d, const py::array& context, int budget) {
         const Tokens c(context, "prefix");

@@ -10,6 +10,7 @@
 #include "sssd/coro.h"
 #include "sssd/parallel.h"
 #include "sssd/parent_tree.h"
+#include "sssd/recent_store.h"
 #include "sssd/tree_merger.h"
 
 namespace sssd {
@@ -215,8 +216,7 @@ void Drafter::check_compatible(const DrafterParams& p) const {
 }
 
 void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
-                          const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
-                          Scratch& s, DraftTree* out) const {
+                          const CallInputs& in, size_t begin, size_t end, Scratch& s, DraftTree* out) const {
   // Every source but the datastore first, merged while its best candidate beats anything the
   // datastore could offer: a request whose budget fills that way (a confident copy) needs no query.
   const bool use_ds = p.use_datastore && datastore_;
@@ -224,7 +224,7 @@ void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* trie
   s.asked.clear();
   for (size_t b = begin; b < end; ++b) {
     Slot& slot = s.slots[b - begin];
-    collect(p, *tries[b], budgets[b], external, factors, b, s, slot);
+    collect(p, *tries[b], budgets[b], in, b, s, slot);
     slot.merger.start(slot.trees, p.scores, out[b]);
     const double floor = use_ds ? datastore_bound(p, slot.trees[0]) : -std::numeric_limits<double>::infinity();
     slot.merger.run(slot.trees, p.scores, budgets[b], out[b], floor);
@@ -256,8 +256,8 @@ void Drafter::draft_group(const DrafterParams& p, const RequestTrie* const* trie
   }
 }
 
-void Drafter::collect(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-                      const SourceFactors* factors, size_t b, Scratch& s, Slot& slot) const {
+void Drafter::collect(const DrafterParams& p, const RequestTrie& trie, int budget, const CallInputs& in, size_t b,
+                      Scratch& s, Slot& slot) const {
   slot.trees.assign(1, SourceTree{});  // the datastore's place: its index ranks it first among equals
   if (budget <= 0) return;
   const std::span<const token_t> context = trie.tokens();
@@ -272,12 +272,25 @@ void Drafter::collect(const DrafterParams& p, const RequestTrie& trie, int budge
     }
     add_copy(p, trie.copy(), context, s, slot);
   }
-  if (external) add_external(*external, b, s, slot);
-  if (factors) {
+  if (in.external || in.recent) {
+    // One tree per tag, in tag order, whichever input a tag's nodes came in.
+    bool used[kMaxSources] = {};
+    if (in.external) stage_external(*in.external, b, s, slot, used);
+    if (in.recent) stage_external(*in.recent, b, s, slot, used);
+    constexpr int kFirst = int(Source::kExternal);
+    for (int tag = kFirst; tag < kMaxSources; ++tag) {
+      if (!used[tag]) continue;
+      SourceTree t = slot.external_trees[tag - kFirst].view(Source(tag), 0, kMaxBudget);
+      t.total = 1.0;
+      t.draft_probs = slot.external_q[tag - kFirst].data();
+      slot.trees.push_back(t);
+    }
+  }
+  if (in.factors) {
     const size_t row = b * size_t(kMaxSources);
     for (SourceTree& t : slot.trees) {
-      t.scale *= double(factors->scale[row + size_t(t.source)]);
-      t.level *= double(factors->level[row + size_t(t.source)]);
+      t.scale *= double(in.factors->scale[row + size_t(t.source)]);
+      t.level *= double(in.factors->level[row + size_t(t.source)]);
     }
   }
 }
@@ -329,11 +342,10 @@ void Drafter::add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<
   slot.trees.push_back(v);
 }
 
-void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot) const {
+void Drafter::stage_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot, bool* used) {
   const size_t begin = size_t(external.offsets[b]), end = size_t(external.offsets[b + 1]);
   if (begin == end) return;
   constexpr int kFirst = int(Source::kExternal);
-  bool used[kMaxSources] = {};
   const size_t n = end - begin;
   s.external_ids.resize(n);
   s.external_path.resize(n);
@@ -354,18 +366,11 @@ void Drafter::add_external(const ExternalTrees& external, size_t b, Scratch& s, 
     q.resize(tree.nodes().size(), std::nanf(""));
     q[s.external_ids[k]] = external.q.empty() ? std::nanf("") : external.q[begin + k];
   }
-  for (int tag = kFirst; tag < kMaxSources; ++tag) {
-    if (!used[tag]) continue;
-    SourceTree t = slot.external_trees[tag - kFirst].view(Source(tag), 0, kMaxBudget);
-    t.total = 1.0;
-    t.draft_probs = slot.external_q[tag - kFirst].data();
-    slot.trees.push_back(t);
-  }
 }
 
 void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
                     std::vector<DraftTree>& out, const ExternalTrees* external, const DrafterParams* params,
-                    const SourceFactors* factors) const {
+                    const SourceFactors* factors, const RecentQuery* recent) const {
   const size_t n = ids.size();
   if (params) check_compatible(*params);
   const DrafterParams& p = params ? *params : params_;
@@ -421,6 +426,20 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     }
   }
 
+  if (recent) {
+    SSSD_CHECK_ARG(recent->store, "the recent outputs' query needs a store");
+    SSSD_CHECK_ARG(recent->budgets.size() == n, "got ", n, " request ids but ", recent->budgets.size(),
+                   " budgets for the recent outputs");
+    const int tag = recent->tag;
+    SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < int(Source::kCopy), "the recent outputs' source tag ", tag,
+                   " must be in [", int(Source::kExternal), ", ", int(Source::kCopy), ")");
+    const bool taken = external && !external->tokens.empty() &&
+                       (external->sources.empty() ? tag == int(Source::kExternal)
+                                                  : std::find(external->sources.begin(), external->sources.end(),
+                                                              uint8_t(tag)) != external->sources.end());
+    SSSD_CHECK_ARG(!taken, "the recent outputs' source tag ", tag, " is an external source's too");
+  }
+
   std::shared_lock lock(mu_);
   std::vector<const RequestTrie*> tries(n);
   for (size_t b = 0; b < n; ++b) {
@@ -428,6 +447,25 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", ids[b]));
     tries[b] = it->second.get();
   }
+  // The recent outputs' proposals for the batch, each request's context its own tokens here.
+  RecentDrafts recent_drafts;
+  std::vector<token_t> recent_tokens;
+  std::vector<uint8_t> recent_tags;
+  ExternalTrees recent_trees;
+  if (recent) {
+    const size_t K = size_t(recent->store->max_match());
+    std::vector<int64_t> queries(n * K, -1);  // each context's last K tokens, newest first
+    for (size_t b = 0; b < n; ++b) {
+      const auto ctx = tries[b]->tokens();
+      for (size_t j = 0; j < std::min(K, ctx.size()); ++j) queries[b * K + j] = int64_t(ctx[ctx.size() - 1 - j]);
+    }
+    recent_drafts = recent->store->propose(ids, queries, recent->budgets);
+    recent_tokens.assign(recent_drafts.tokens.begin(), recent_drafts.tokens.end());  // ids <= kMaxTokenId
+    check_tokens(recent_tokens, "recent outputs' tokens");  // the store's tokens, from this drafter's requests
+    recent_tags.assign(recent_tokens.size(), uint8_t(recent->tag));
+    recent_trees = {recent_drafts.offsets, recent_tokens, recent_drafts.parents, recent_drafts.weights, {}, recent_tags};
+  }
+  const CallInputs in{external, recent ? &recent_trees : nullptr, factors};
   out.resize(n);
   // Work is handed out by groups of interleaved requests. Waking another
   // thread costs tens of microseconds to milliseconds on small VMs, so a
@@ -445,8 +483,8 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
 #pragma omp for schedule(dynamic, 1)
     for (size_t g = 0; g < groups; ++g) {
       capture.run([&] {
-        draft_group(p, tries.data(), budgets.data(), external, factors, g * kInterleave,
-                    std::min(n, (g + 1) * kInterleave), *scratch, out.data());
+        draft_group(p, tries.data(), budgets.data(), in, g * kInterleave, std::min(n, (g + 1) * kInterleave),
+                    *scratch, out.data());
       });
     }
   }
@@ -515,7 +553,7 @@ DraftTree Drafter::draft_context(std::span<const token_t> context, int budget) c
     const auto trie = make_trie();
     trie->extend(context);
     const RequestTrie* tries[1] = {trie.get()};
-    draft_group(p, tries, &budget, nullptr, nullptr, 0, 1, thread_scratch(), &out);
+    draft_group(p, tries, &budget, CallInputs{}, 0, 1, thread_scratch(), &out);
     return out;
   }
   // Every source asked up front and merged at once (draft() merges in two phases: tests compare them).

@@ -71,6 +71,18 @@ struct SourceFactors {
   std::span<const float> level;  ///< [n * kMaxSources], finite and >= 0
 };
 
+class RecentStore;
+
+/// The other requests' recent outputs (recent_store.h), asked inside Drafter::draft for the
+/// whole batch, so that their proposals never leave C++: each request's context (its tokens in
+/// the drafter) is looked up, and request b's proposals (budgets[b] deep at most; 0: not asked)
+/// become its tree of source `tag`, merged as an external source of that tag would be.
+struct RecentQuery {
+  const RecentStore* store = nullptr;
+  int tag = int(Source::kExternal);  ///< in [kExternal, kCopy), no other external source's
+  std::span<const int64_t> budgets;  ///< [n], >= 0
+};
+
 /// Validates drafter parameters; throws std::invalid_argument naming the field.
 void check_params(const DrafterParams& p);
 
@@ -106,12 +118,14 @@ class Drafter {
   /// discounts for this call (e.g. the calibration entry of this step's
   /// budget); it must fit the request tries (check_compatible).
   /// `factors`, if given, corrects each request's sources (SourceFactors).
+  /// `recent`, if given, adds the recent outputs' proposals (RecentQuery).
   /// Throws UnknownRequest for an unknown id, std::invalid_argument for a
   /// bad budget, incompatible params, a malformed external tree or factors;
   /// `out` is then unspecified.
   void draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
              std::vector<DraftTree>& out, const ExternalTrees* external = nullptr,
-             const DrafterParams* params = nullptr, const SourceFactors* factors = nullptr) const;
+             const DrafterParams* params = nullptr, const SourceFactors* factors = nullptr,
+             const RecentQuery* recent = nullptr) const;
 
   /// Throws std::invalid_argument unless `p` can draft over this drafter's
   /// request tries: valid, the same vocabulary, the input source only if the
@@ -147,14 +161,21 @@ class Drafter {
  private:
   struct Slot;
   struct Scratch;
+  /// What one draft() call brings besides the requests: candidates of external sources (the
+  /// caller's, the recent outputs') and per-request factors; each may be null.
+  struct CallInputs {
+    const ExternalTrees* external = nullptr;
+    const ExternalTrees* recent = nullptr;
+    const SourceFactors* factors = nullptr;
+  };
   static Scratch& thread_scratch();
-  void add_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot) const;
+  /// Request b's nodes of `external` into its slot's tree of their tag (`used`: tags seen so far).
+  static void stage_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot, bool* used);
   void draft_group(const DrafterParams& p, const RequestTrie* const* tries, const int32_t* budgets,
-                   const ExternalTrees* external, const SourceFactors* factors, size_t begin, size_t end,
-                   Scratch& scratch, DraftTree* out) const;
+                   const CallInputs& in, size_t begin, size_t end, Scratch& scratch, DraftTree* out) const;
   /// Request b's trees but the datastore's (whose place, slot.trees[0], stays empty).
-  void collect(const DrafterParams& p, const RequestTrie& trie, int budget, const ExternalTrees* external,
-               const SourceFactors* factors, size_t b, Scratch& scratch, Slot& slot) const;
+  void collect(const DrafterParams& p, const RequestTrie& trie, int budget, const CallInputs& in, size_t b,
+               Scratch& scratch, Slot& slot) const;
   static void add_copy(const DrafterParams& p, const CopyIndex& copy, std::span<const token_t> context,
                        Scratch& scratch, Slot& slot);
   std::unique_ptr<RequestTrie> make_trie() const;

@@ -91,6 +91,9 @@ class RecentStore {
   void open(uint64_t request_id, std::span<const token_t> prompt);
   /// Appends tokens to the request's stream (a request never opened starts one).
   void extend(uint64_t request_id, std::span<const token_t> tokens);
+  /// Appends tokens to many requests under one lock: request ids[b] gets
+  /// tokens[offsets[b] .. offsets[b+1]), in order. The offsets are checked before any request changes.
+  void extend_batch(std::span<const uint64_t> ids, std::span<const int64_t> offsets, std::span<const token_t> tokens);
   /// Forgets the request's place; its tokens stay (for the others) until the ring overwrites them.
   void close(uint64_t request_id);
   /// Forgets every token written so far and every request's place (a fresh store, its memory
