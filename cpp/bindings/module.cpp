@@ -66,6 +66,19 @@ struct ProgressBridge {
   }
 };
 
+// The binding of a method that takes token lists for many requests as CSR arrays (request ids[b]'s
+// are tokens[offsets[b]:offsets[b + 1]]): the arrays borrowed or converted, the GIL released.
+template <typename T>
+auto csr_tokens(void (T::*method)(std::span<const uint64_t>, std::span<const int64_t>, std::span<const sssd::token_t>)) {
+  return [method](T& self, const py::array& ids, const py::array& offsets, const py::array& tokens) {
+    const RequestIds id_span(ids);
+    const auto off = borrow<int64_t>(offsets, "offsets");
+    const Tokens t(tokens, "tokens");
+    py::gil_scoped_release release;
+    (self.*method)(id_span.span(), off, t.span());
+  };
+}
+
 py::dict draft_batch_to_dict(sssd::DraftBatch&& batch) {
   std::vector<int64_t> tokens(batch.nodes.tokens.begin(), batch.nodes.tokens.end());
   py::dict d;
@@ -421,14 +434,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
       }, "request_ids"_a, "lengths"_a, "batch"_a, "factors"_a = py::none(),
          "Keeps a draft call's trees (a dict of DraftBatch arrays: offsets, tokens, parents, depths, sources, "
          "scores; drafted with `factors`, None: all 1) for requests whose contexts were `lengths` long.")
-      .def("extended", [](sssd::SourceEvidence& e, const py::array& ids, const py::array& offsets,
-                          const py::array& tokens) {
-        const RequestIds id_span(ids);
-        const auto off = borrow<int64_t>(offsets, "offsets");
-        const Tokens t(tokens, "tokens");
-        py::gil_scoped_release release;
-        e.extended(id_span.span(), off, t.span());
-      }, "request_ids"_a, "offsets"_a, "tokens"_a,
+      .def("extended", csr_tokens(&sssd::SourceEvidence::extended), "request_ids"_a, "offsets"_a, "tokens"_a,
          "The requests' next tokens (CSR): each kept tree drafted at this context is scored by them.");
 
   py::class_<sssd::RecentStore>(m, "RecentStore")
@@ -448,14 +454,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::gil_scoped_release release;
         s.extend(id, t.span());
       }, "request_id"_a, "tokens"_a)
-      .def("extend_batch", [](sssd::RecentStore& s, const py::array& ids, const py::array& offsets,
-                              const py::array& tokens) {
-        const RequestIds id_span(ids);
-        const auto off = borrow<int64_t>(offsets, "offsets");
-        const Tokens t(tokens, "tokens");
-        py::gil_scoped_release release;
-        s.extend_batch(id_span.span(), off, t.span());
-      }, "request_ids"_a, "offsets"_a, "tokens"_a,
+      .def("extend_batch", csr_tokens(&sssd::RecentStore::extend_batch), "request_ids"_a, "offsets"_a, "tokens"_a,
          "Appends tokens to many requests under one lock: request_ids[b] gets tokens[offsets[b]:offsets[b + 1]] "
          "(every argument is checked before any request changes).")
       .def("close", [](sssd::RecentStore& s, py::handle rid) {
@@ -588,14 +587,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::gil_scoped_release release;
         d.extend(id, t.span());
       }, "request_id"_a, "tokens"_a)
-      .def("extend_batch", [](sssd::Drafter& d, const py::array& ids, const py::array& offsets,
-                              const py::array& tokens) {
-        const RequestIds id_span(ids);
-        const auto off = borrow<int64_t>(offsets, "offsets");
-        const Tokens t(tokens, "tokens");
-        py::gil_scoped_release release;
-        d.extend_batch(id_span.span(), off, t.span());
-      }, "request_ids"_a, "offsets"_a, "tokens"_a)
+      .def("extend_batch", csr_tokens(&sssd::Drafter::extend_batch), "request_ids"_a, "offsets"_a, "tokens"_a)
       .def("close", [](sssd::Drafter& d, py::handle rid) {
         const uint64_t id = request_id(rid);
         py::gil_scoped_release release;
