@@ -372,7 +372,7 @@ class DraftPipeline:
                             e,
                         )
             external = _merge_input(len(requests), per_request, blocks) if blocks or any(per_request) else None
-        proposed = (external is not None and len(external["tokens"]) > 0) or (recent is not None and budgets.any())
+        proposed = (external is not None and len(external["tokens"]) > 0) or (recent is not None and recent[2].any())
         if verified_next:
             self.deferral.drafted(
                 requests, promised, retrieval_only=not proposed, alone=alone, source_seconds=source_seconds
