@@ -440,6 +440,16 @@ def run_replay(system: System, settings: dict, examples: list[Example], budget: 
     return res
 
 
+def best_replay(system: System, settings: dict, examples: list[Example], budget: int, batch_size: int, repeats: int):
+    """The replay run `repeats` times (each with a fresh drafter) and the fastest run kept, by draft + update
+    time: the drafts are the same every time, the microseconds drift with the host (RESULTS.md: up to
+    1.3x between minutes on the 2-core VMs)."""
+    runs = [run_replay(system, settings, examples, budget, batch_size) for _ in range(max(1, repeats))]
+    if len({round(r.mat, 9) for r in runs}) > 1:
+        print(f"  warning: {system.name} budget {budget}: MAT differs between repeats ({[r.mat for r in runs]})")
+    return min(runs, key=lambda r: r.draft_seconds + r.update_seconds)
+
+
 def result_record(res, **extra) -> dict:
     return {
         **extra,
@@ -625,6 +635,13 @@ def main() -> int:
     ap.add_argument("--groundtruth", nargs="*", default=[], metavar="SET=PATH", help="ground-truth files by set name")
     ap.add_argument("--threads", type=int, default=1, help="SSSD OpenMP threads (1: as single-threaded as the peers)")
     ap.add_argument("--batch-size", type=int, default=256, help="sequences replayed in lockstep")
+    ap.add_argument(
+        "--timing-repeats",
+        type=int,
+        default=1,
+        help="replay each evaluation cell this many times and report the fastest run's draft and update "
+        "microseconds (the drafts are the same each time; the host's speed is not)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="REST's stand-in for Rust's random hash order")
     ap.add_argument("--plot-only", metavar="JSONL", help="only redraw the figure from a records file (its last run)")
     args = ap.parse_args()
@@ -692,7 +709,7 @@ def main() -> int:
                     continue
                 for b in args.budgets:
                     t0 = time.perf_counter()
-                    res = run_replay(system, settings, examples, b, args.batch_size)
+                    res = best_replay(system, settings, examples, b, args.batch_size, args.timing_repeats)
                     shown = "calibrated file" if system.name == SSSD_CALIBRATED else fmt_settings(settings)
                     r = result_record(
                         res,
