@@ -10,7 +10,6 @@
 #include "sssd/coro.h"
 #include "sssd/parallel.h"
 #include "sssd/parent_tree.h"
-#include "sssd/recent_store.h"
 #include "sssd/tree_merger.h"
 
 namespace sssd {
@@ -368,6 +367,37 @@ void Drafter::stage_external(const ExternalTrees& external, size_t b, Scratch& s
   }
 }
 
+// A RecentQuery fits a call of n requests whose caller-supplied trees are `external`.
+static void check_recent(const RecentQuery& recent, size_t n, const ExternalTrees* external) {
+  SSSD_CHECK_ARG(recent.store, "the recent outputs' query needs a store");
+  SSSD_CHECK_ARG(recent.budgets.size() == n, "got ", n, " request ids but ", recent.budgets.size(),
+                 " budgets for the recent outputs");
+  const int tag = recent.tag;
+  SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < int(Source::kCopy), "the recent outputs' source tag ", tag,
+                 " must be in [", int(Source::kExternal), ", ", int(Source::kCopy), ")");
+  const bool taken = external && !external->tokens.empty() &&
+                     (external->sources.empty() ? tag == int(Source::kExternal)
+                                                : std::find(external->sources.begin(), external->sources.end(),
+                                                            uint8_t(tag)) != external->sources.end());
+  SSSD_CHECK_ARG(!taken, "the recent outputs' source tag ", tag, " is an external source's too");
+}
+
+Drafter::RecentInput Drafter::ask_recent(const RecentQuery& recent, std::span<const uint64_t> ids,
+                                         std::span<const RequestTrie* const> tries) const {
+  const size_t n = ids.size(), K = size_t(recent.store->max_match());
+  std::vector<int64_t> queries(n * K, -1);  // each context's last K tokens, newest first
+  for (size_t b = 0; b < n; ++b) {
+    const auto ctx = tries[b]->tokens();
+    for (size_t j = 0; j < std::min(K, ctx.size()); ++j) queries[b * K + j] = int64_t(ctx[ctx.size() - 1 - j]);
+  }
+  RecentInput in;
+  in.drafts = recent.store->propose(ids, queries, recent.budgets);
+  in.tokens.assign(in.drafts.tokens.begin(), in.drafts.tokens.end());  // ids <= kMaxTokenId
+  check_tokens(in.tokens, "recent outputs' tokens");  // the store's tokens, from this drafter's requests
+  in.tags.assign(in.tokens.size(), uint8_t(recent.tag));
+  return in;
+}
+
 void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budgets,
                     std::vector<DraftTree>& out, const ExternalTrees* external, const DrafterParams* params,
                     const SourceFactors* factors, const RecentQuery* recent) const {
@@ -426,19 +456,7 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     }
   }
 
-  if (recent) {
-    SSSD_CHECK_ARG(recent->store, "the recent outputs' query needs a store");
-    SSSD_CHECK_ARG(recent->budgets.size() == n, "got ", n, " request ids but ", recent->budgets.size(),
-                   " budgets for the recent outputs");
-    const int tag = recent->tag;
-    SSSD_CHECK_ARG(tag >= int(Source::kExternal) && tag < int(Source::kCopy), "the recent outputs' source tag ", tag,
-                   " must be in [", int(Source::kExternal), ", ", int(Source::kCopy), ")");
-    const bool taken = external && !external->tokens.empty() &&
-                       (external->sources.empty() ? tag == int(Source::kExternal)
-                                                  : std::find(external->sources.begin(), external->sources.end(),
-                                                              uint8_t(tag)) != external->sources.end());
-    SSSD_CHECK_ARG(!taken, "the recent outputs' source tag ", tag, " is an external source's too");
-  }
+  if (recent) check_recent(*recent, n, external);
 
   std::shared_lock lock(mu_);
   std::vector<const RequestTrie*> tries(n);
@@ -447,24 +465,9 @@ void Drafter::draft(std::span<const uint64_t> ids, std::span<const int32_t> budg
     if (it == requests_.end()) throw UnknownRequest(detail::concat("unknown request id ", ids[b]));
     tries[b] = it->second.get();
   }
-  // The recent outputs' proposals for the batch, each request's context its own tokens here.
-  RecentDrafts recent_drafts;
-  std::vector<token_t> recent_tokens;
-  std::vector<uint8_t> recent_tags;
-  ExternalTrees recent_trees;
-  if (recent) {
-    const size_t K = size_t(recent->store->max_match());
-    std::vector<int64_t> queries(n * K, -1);  // each context's last K tokens, newest first
-    for (size_t b = 0; b < n; ++b) {
-      const auto ctx = tries[b]->tokens();
-      for (size_t j = 0; j < std::min(K, ctx.size()); ++j) queries[b * K + j] = int64_t(ctx[ctx.size() - 1 - j]);
-    }
-    recent_drafts = recent->store->propose(ids, queries, recent->budgets);
-    recent_tokens.assign(recent_drafts.tokens.begin(), recent_drafts.tokens.end());  // ids <= kMaxTokenId
-    check_tokens(recent_tokens, "recent outputs' tokens");  // the store's tokens, from this drafter's requests
-    recent_tags.assign(recent_tokens.size(), uint8_t(recent->tag));
-    recent_trees = {recent_drafts.offsets, recent_tokens, recent_drafts.parents, recent_drafts.weights, {}, recent_tags};
-  }
+  RecentInput recent_input;
+  if (recent) recent_input = ask_recent(*recent, ids, tries);
+  const ExternalTrees recent_trees = recent_input.trees();
   const CallInputs in{external, recent ? &recent_trees : nullptr, factors};
   out.resize(n);
   // Work is handed out by groups of interleaved requests. Waking another

@@ -17,6 +17,7 @@
 
 #include "sssd/datastore.h"
 #include "sssd/draft_tree.h"
+#include "sssd/recent_store.h"
 #include "sssd/request_trie.h"
 #include "sssd/score_table.h"
 
@@ -70,8 +71,6 @@ struct SourceFactors {
   std::span<const float> scale;  ///< [n * kMaxSources], finite and >= 0
   std::span<const float> level;  ///< [n * kMaxSources], finite and >= 0
 };
-
-class RecentStore;
 
 /// The other requests' recent outputs (recent_store.h), asked inside Drafter::draft for the
 /// whole batch, so that their proposals never leave C++: each request's context (its tokens in
@@ -168,6 +167,16 @@ class Drafter {
     const ExternalTrees* recent = nullptr;
     const SourceFactors* factors = nullptr;
   };
+  /// The recent outputs' proposals for a call, held as the merge's external input of their tag.
+  struct RecentInput {
+    RecentDrafts drafts;
+    std::vector<token_t> tokens;
+    std::vector<uint8_t> tags;
+    ExternalTrees trees() const { return {drafts.offsets, tokens, drafts.parents, drafts.weights, {}, tags}; }
+  };
+  /// Asks the store for every request's context as its trie holds it.
+  RecentInput ask_recent(const RecentQuery& recent, std::span<const uint64_t> ids,
+                         std::span<const RequestTrie* const> tries) const;
   static Scratch& thread_scratch();
   /// Request b's nodes of `external` into its slot's tree of their tag (`used`: tags seen so far).
   static void stage_external(const ExternalTrees& external, size_t b, Scratch& s, Slot& slot, bool* used);
