@@ -146,8 +146,7 @@ class Drafter:
         ids = _request_ids(request_ids)
         if len(tokens) != ids.shape[0]:
             raise ValueError(f"got {ids.shape[0]} request ids but {len(tokens)} token lists")
-        offsets, flat = pack_tokens(tokens)
-        self._native.extend_batch(ids, offsets, flat)
+        self.extend_packed(ids, *pack_tokens(tokens))
 
     def extend_packed(self, request_ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
         """`extend_batch` with the tokens already packed (sssd._tokens.pack_tokens: request_ids[b]

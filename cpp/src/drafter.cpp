@@ -139,13 +139,7 @@ void Drafter::extend(uint64_t id, std::span<const token_t> tokens) {
 
 void Drafter::extend_batch(std::span<const uint64_t> ids, std::span<const int64_t> offsets,
                            std::span<const token_t> tokens) {
-  SSSD_CHECK_ARG(offsets.size() == ids.size() + 1, "offsets must have ", ids.size() + 1,
-                 " entries, got ", offsets.size());
-  SSSD_CHECK_ARG(offsets.front() == 0 && size_t(offsets.back()) == tokens.size(),
-                 "offsets must start at 0 and end at the number of tokens");
-  for (size_t b = 0; b < ids.size(); ++b) {
-    SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing");
-  }
+  check_offsets(offsets, ids.size(), tokens.size());
   check_tokens(tokens, "tokens");
   std::unique_lock lock(mu_);
   std::vector<RequestTrie*> tries(ids.size());

@@ -81,11 +81,7 @@ void RecentStore::extend(uint64_t request_id, std::span<const token_t> tokens) {
 
 void RecentStore::extend_batch(std::span<const uint64_t> ids, std::span<const int64_t> offsets,
                                std::span<const token_t> tokens) {
-  SSSD_CHECK_ARG(offsets.size() == ids.size() + 1, "offsets must have ", ids.size() + 1, " entries, got ",
-                 offsets.size());
-  SSSD_CHECK_ARG(offsets.front() == 0 && size_t(offsets.back()) == tokens.size(),
-                 "offsets must start at 0 and end at the number of tokens");
-  for (size_t b = 0; b < ids.size(); ++b) SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing");
+  check_offsets(offsets, ids.size(), tokens.size());
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t b = 0; b < ids.size(); ++b) {
     append(ids[b], tokens.subspan(size_t(offsets[b]), size_t(offsets[b + 1] - offsets[b])));

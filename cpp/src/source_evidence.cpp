@@ -136,9 +136,7 @@ void SourceEvidence::drafted(std::span<const uint64_t> ids, std::span<const int6
 
 void SourceEvidence::extended(std::span<const uint64_t> ids, std::span<const int64_t> offsets,
                               std::span<const token_t> tokens) {
-  SSSD_CHECK_ARG(offsets.size() == ids.size() + 1 && offsets.front() == 0 && size_t(offsets.back()) == tokens.size(),
-                 "offsets must have ", ids.size() + 1, " entries from 0 to the number of tokens");
-  for (size_t b = 0; b < ids.size(); ++b) SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing");
+  check_offsets(offsets, ids.size(), tokens.size());
   std::lock_guard lock(mu_);
   for (size_t b = 0; b < ids.size(); ++b) {
     const auto it = requests_.find(ids[b]);

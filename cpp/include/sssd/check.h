@@ -12,6 +12,8 @@
 //   sssd::UnknownRequest  -> KeyError       (a request id that is not open)
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -57,3 +59,16 @@ std::string concat(const Args&... args) {
 #define SSSD_CHECK_ARG(cond, ...) SSSD_CHECK_AS(std::invalid_argument, cond, __VA_ARGS__)
 /// Data / file / state checks: raise sssd.SSSDError in Python.
 #define SSSD_CHECK(cond, ...) SSSD_CHECK_AS(::sssd::Error, cond, __VA_ARGS__)
+
+namespace sssd {
+
+/// Checks CSR offsets of `rows` rows over `total` items (row b's are [offsets[b], offsets[b + 1])):
+/// rows + 1 entries, from 0 to total, non-decreasing. Throws std::invalid_argument saying which fails.
+inline void check_offsets(std::span<const int64_t> offsets, size_t rows, size_t total) {
+  SSSD_CHECK_ARG(offsets.size() == rows + 1, "offsets must have ", rows + 1, " entries, got ", offsets.size());
+  SSSD_CHECK_ARG(offsets.front() == 0 && uint64_t(offsets.back()) == total,
+                 "offsets must start at 0 and end at the number of tokens");
+  for (size_t b = 0; b < rows; ++b) SSSD_CHECK_ARG(offsets[b] <= offsets[b + 1], "offsets must be non-decreasing");
+}
+
+}  // namespace sssd
