@@ -755,9 +755,9 @@ def replayed(report: Report, paths, limit: int):
 
 
 def allocation_projection(report: Report, prof, steps) -> list[dict]:
-    """The batch allocation (planning/allocation.py's project) priced by a measured profile: per
+    """The batch allocation (planning/projection.py's project) priced by a measured profile: per
     batch size, its speedup over plain decoding beside one best budget for every row."""
-    from sssd.serving.planning.allocation import project as project_allocation
+    from sssd.serving.planning.projection import project as project_allocation
 
     batches = [b for b in BATCHES if b <= max(prof.rows)]
     rows = project_allocation(steps, prof, batches)

@@ -81,7 +81,7 @@ def main() -> int:
 
     import sssd
     from sssd.calibration.allocation_replay import replay_groundtruth
-    from sssd.serving.planning.allocation import project
+    from sssd.serving.planning.projection import project
 
     header, records = last_run(args.tag)
     spec = [r for r in records if r.get("allocation")]

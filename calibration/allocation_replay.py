@@ -1,4 +1,4 @@
-"""Replayed steps for projecting the batch-wide allocation (serving/planning/allocation.py's
+"""Replayed steps for projecting the batch-wide allocation (serving/planning/projection.py's
 `project`, which `sssd plan --groundtruth` prints).
 
 Every few tokens of each recorded output, the drafter's tree at the largest budget is drafted

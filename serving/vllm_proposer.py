@@ -76,7 +76,9 @@ import sssd
 from sssd.calibration_file import CalibrationFile, load_drafter, select_entry
 from sssd.draft_source import DraftRequest, RetrievalSource
 from sssd.recent_outputs import RecentOutputs
-from sssd.serving.planning.allocation import AcceptanceModel, MeasuredStepCost, select, trials
+from sssd.serving.planning.acceptance import AcceptanceModel, trials
+from sssd.serving.planning.allocation import select
+from sssd.serving.planning.step_cost import MeasuredStepCost
 from sssd.serving.planning.step_timing import StepTiming, TimingWriter
 from sssd.sources import DraftPipeline
 

@@ -16,14 +16,8 @@ import sssd
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.factory import build_allocator
 from sssd.serving.engine.params import SamplingParams
-from sssd.serving.planning.allocation import (
-    CENTERS,
-    AcceptanceModel,
-    BatchAllocator,
-    fit_gamma,
-    select,
-    update_mean,
-)
+from sssd.serving.planning.acceptance import CENTERS, AcceptanceModel, fit_gamma
+from sssd.serving.planning.allocation import BatchAllocator, select, update_mean
 from sssd.serving.planning.planner import BudgetPlanner
 from sssd.tree import DraftBatch
 
@@ -365,7 +359,7 @@ def test_an_explicit_budget_is_that_budget(llama):
 
 
 def test_trials_are_the_nodes_whose_parent_was_accepted_at_their_conditional_probability():
-    from sssd.serving.planning.allocation import trials
+    from sssd.serving.planning.acceptance import trials
 
     #        root
     #       /    \

@@ -12,7 +12,8 @@ from test_planner import linear_profile
 
 from sssd.serving.engine import EngineConfig, LLMEngine
 from sssd.serving.engine.params import SamplingParams
-from sssd.serving.planning.allocation import BatchAllocator, trials
+from sssd.serving.planning.acceptance import trials
+from sssd.serving.planning.allocation import BatchAllocator
 from sssd.serving.planning.counterfactual import Counterfactuals, Resolved
 from sssd.serving.verify.acceptance import accept_greedy
 from sssd.serving.verify.tree_batch import pack

@@ -1,5 +1,5 @@
 """The batch-wide allocation projected from replayed steps (`sssd plan --groundtruth`):
-calibration/allocation_replay.py's steps and serving/planning/allocation.py's projection."""
+calibration/allocation_replay.py's steps and serving/planning/projection.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_planner import linear_profile
 import sssd
 from sssd.calibration.allocation_replay import ReplaySteps, replay_steps
 from sssd.calibration.replay import Example
-from sssd.serving.planning.allocation import fitted_gamma, project
+from sssd.serving.planning.projection import fitted_gamma, project
 
 
 def chain_steps(n_steps: int, accept: bool, length: int = 8) -> ReplaySteps:

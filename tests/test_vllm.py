@@ -520,7 +520,7 @@ def test_a_failing_proposer_sends_no_drafts_and_vllm_goes_on(monkeypatch, caplog
 
 
 def test_the_step_cost_is_fitted_from_measured_steps():
-    from sssd.serving.planning.allocation import MeasuredStepCost
+    from sssd.serving.planning.step_cost import MeasuredStepCost
 
     cost = MeasuredStepCost()
     assert cost(np.array([0, 64])).tolist() == pytest.approx([1.0, 2.0])  # the prior, relative
@@ -536,7 +536,7 @@ def test_the_step_cost_is_fitted_from_measured_steps():
 def test_the_step_cost_learns_its_slope_from_steps_of_a_few_tokens(prior):
     """Inside vLLM the steps verify 5-36 tokens, noisily: the fit must leave its prior (a CPU's 0.2
     per token, a GPU's 1/64) for what they measure (vLLM's CPU build: 39 ms + 2.9 ms per token)."""
-    from sssd.serving.planning.allocation import MeasuredStepCost
+    from sssd.serving.planning.step_cost import MeasuredStepCost
 
     cost = MeasuredStepCost(per_token=prior)
     rng = np.random.default_rng(1)
@@ -557,7 +557,7 @@ def test_a_step_that_did_something_else_does_not_pin_the_slope():
     40 tokens that took 2.1 s (it also prefilled prompts), then decode steps of 16 tokens at 0.11 s.
     Fitted, that step set the slope at 44 ms a token and nothing was drafted again, so nothing moved
     it back. Left out as an outlier, the fit stays a decode step's."""
-    from sssd.serving.planning.allocation import MeasuredStepCost
+    from sssd.serving.planning.step_cost import MeasuredStepCost
 
     cost = MeasuredStepCost(per_token=0.2)
     for x, t in ((1, 0.050), (3, 0.044), (17, 0.073), (6, 0.043), (6, 0.040), (3, 0.042), (4, 0.043), (17, 0.075)):

@@ -25,7 +25,7 @@ import torch
 import sssd
 from sssd.serving.engine.metrics import timeline_entry
 from sssd.serving.engine.requests import Request
-from sssd.serving.planning.allocation import trials
+from sssd.serving.planning.acceptance import trials
 from sssd.serving.planning.counterfactual import Counterfactuals, Resolved
 from sssd.serving.verify.acceptance import Sampler, accept_greedy, accept_sampled, mss_trials
 from sssd.serving.verify.tree_batch import NO_SOURCE, TreeBatch, pack, stack

@@ -4,7 +4,7 @@ A greedy request's output does not depend on what was drafted (speculation is lo
 tree drafted on a step that verifies nothing can be checked afterwards against the tokens the
 request goes on to emit: verifying it would have accepted the deepest node whose path those tokens
 spell, exactly the node accept_greedy finds, and every node whose parent was on that path was a
-trial of its conditional probability (allocation.trials), accepted or not. So while the
+trial of its conditional probability (acceptance.trials), accepted or not. So while the
 allocation's gate keeps a batch size plain (its speculative steps measured slower than plain
 ones), the engine keeps measuring at the price of drafting alone, not of verifying: the acceptance
 model goes on learning each request's rate, and a run of counterfactual steps that would have paid
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sssd.serving.planning.allocation import trials
+from sssd.serving.planning.acceptance import trials
 
 
 @dataclass

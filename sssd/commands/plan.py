@@ -150,7 +150,7 @@ def _allocation(args: argparse.Namespace, shape, hw) -> dict:
     """The batch-wide allocation's projection, from trees drafted along recorded outputs."""
     import sssd
     from sssd.calibration.allocation_replay import replay_groundtruth
-    from sssd.serving.planning.allocation import project
+    from sssd.serving.planning.projection import project
     from sssd.serving.planning.roofline import roofline_profile
 
     if args.limit < 1:
