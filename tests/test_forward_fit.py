@@ -183,3 +183,35 @@ def test_a_pass_longer_than_any_fitted_is_fitted_not_left_out():
     assert fit.level == level
     fit.observe(200, 2010, 196, float(true_cost(200, 2010, 196)))
     assert float(fit(240, 2020, 236)) == pytest.approx(float(true_cost(240, 2020, 236)), rel=0.35)
+
+
+def test_a_pass_longer_than_any_measured_is_priced_by_the_profiles_increments():
+    """A bucket that has only measured plain passes of 9-16 rows, slower where fewer rows were left
+    (the longest contexts, a drifting machine): its fit reads 0 ms a token. The first speculative
+    step after them, 928 draft nodes at 16 rows, must still be priced near what it costs (before:
+    at a plain pass's price, and the allocation bought every node it was offered)."""
+    from test_planner import linear_profile
+
+    def true(tokens, cached):
+        return 0.060 + 0.0024 * tokens + 0.010 * cached / 1000
+
+    alloc = BatchAllocator(linear_profile(0.060, 0.0024).times)
+    rng = np.random.default_rng(0)
+    for i in range(190):
+        rows = 16 if i < 160 else 16 - (i - 160) // 4  # the last wave: rows finish one by one
+        cached = rows * (200 + 12 * (i % 64))
+        s = (true(rows, cached) + 0.004 * (16 - rows)) * rng.normal(1, 0.02)
+        alloc.observe_plain(rows, s + 0.002, s, cached)
+    fit = alloc._fits[16]
+    assert alloc.fitted(16) and fit.max_tokens == 16
+    assert fit.coefficients()[1] < 0.0005  # the plain passes say nothing of the slope
+    assert float(fit(944, 8000, 928)) < 0.2 * true(944, 8000)  # the fit alone: a plain pass's price
+    for k in (100, 400, 928):
+        assert float(alloc.forward_seconds(16, np.array([float(k)]), 8000)[0]) == pytest.approx(
+            true(16 + k, 8000), rel=0.1
+        )
+    assert float(alloc.forward_seconds(16, np.array([0.0]), 8000)[0]) == pytest.approx(float(fit(16, 8000, 0)))
+    # trees whose worth cannot pay for a 2 s pass: the allocation no longer takes every node
+    scores = [np.geomspace(0.6, 0.05, 64).astype(np.float32)] * 16
+    a = alloc.allocate(list(range(16)), np.ones(16, bool), scores, cached=8000)
+    assert a.counts.sum() < 200

@@ -249,10 +249,31 @@ class BatchAllocator:
         positions in their KV slots (None: as the bucket's recent steps): the bucket's measured fit
         once it has enough steps (FIT_STEPS), else the profile scaled."""
         drafted = np.asarray(drafted, dtype=np.float64)
-        if self.fitted(batch):
-            return self._fits[self.bucket(batch)](batch + drafted, cached, drafted)
-        per_row = (batch + drafted) / batch
-        return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
+        if not self.fitted(batch):
+            per_row = (batch + drafted) / batch
+            return self.scale(batch) * np.asarray(self.time(batch, per_row), dtype=np.float64)
+        fit = self._fits[self.bucket(batch)]
+        tokens = batch + drafted
+        out = fit(tokens, cached, drafted)
+        edge = float(max(fit.max_tokens, batch))
+        beyond = tokens > edge
+        if beyond.any():
+            out = np.where(beyond, np.maximum(out, self._past_edge(batch, fit, edge, tokens, cached, drafted)), out)
+        return out
+
+    def _past_edge(self, batch: int, fit: ForwardFit, edge: float, tokens, cached, drafted) -> np.ndarray:
+        """A pass longer than any the bucket has measured: the fit's price at the longest plus the
+        profile's own increments from there. The fit's slope comes from the passes it has seen, and
+        passes of one length say nothing of another: 183 plain passes of 9-16 rows (the rows fewer
+        where the contexts were longest) fitted 0 ms a token, and the first speculative step after
+        them, 944 tokens at 16 rows, was priced at 103 ms and took 1.94 s (SmolLM2, GSM8K, AMD EPYC;
+        RESULTS.md, 2026-12-01); the profile's increments put it at 2.2 s. They are not scaled by
+        the measured ratio to the profile: that ratio is mostly the longer contexts' fixed cost
+        per pass (1.42 there), which the fit's price at the edge already holds. The price is the
+        larger of the two, so a fit that learnt a steeper slope than the profile keeps it."""
+        prof = lambda n: np.asarray(self.time(batch, np.asarray(n, dtype=np.float64) / batch), dtype=np.float64)  # noqa: E731
+        at_edge = fit(np.full_like(tokens, edge), cached, drafted)
+        return at_edge + np.maximum(prof(np.maximum(tokens, edge)) - prof([edge]), 0.0)
 
     def prefill_seconds(self, batch: int, tokens: int) -> float:
         """What `tokens` prompt tokens add to a pass of B rows, as measured per prompt token in the
