@@ -523,7 +523,7 @@ class BatchAllocator:
             # probes their evidence called before the interval
             "counterfactual_steps": self.counterfactual_steps,
             "called_probes": self.called_probes,
-            "gamma": {m: round(g, 3) for m, g in self.acceptance._gamma.items()},
+            "gamma": {m: round(self.acceptance.mode_gamma(m == "greedy"), 3) for m in self.acceptance.MODES},
             "buckets": {
                 k: {
                     "forward_vs_profile": round(self.scale(k), 3),
