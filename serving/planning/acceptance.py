@@ -45,6 +45,16 @@ def fit_gamma(n: np.ndarray, a: np.ndarray, iters: int = 30) -> np.ndarray:
     return np.exp(0.5 * (lo + hi))
 
 
+def binned(probabilities: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Trials counted per score bin (EDGES): (trials [K], accepted [K])."""
+    K = len(CENTERS)
+    k = np.clip(np.searchsorted(EDGES, probabilities, side="right") - 1, 0, K - 1)
+    return (
+        np.bincount(k, minlength=K).astype(np.float64),
+        np.bincount(k, weights=np.asarray(accepted, dtype=np.float64), minlength=K),
+    )
+
+
 def worth(scores: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
     """A node's probability of being accepted: its calibrated score ** gamma."""
     return np.power(np.clip(scores, 1e-6, 1.0), gamma)
@@ -115,9 +125,7 @@ class AcceptanceModel:
         for rid, g, s, acc in zip(ids, greedy, scores, accepted):
             if s.size == 0:
                 continue
-            k = np.clip(np.searchsorted(EDGES, s, side="right") - 1, 0, self.K - 1)
-            n = np.bincount(k, minlength=self.K).astype(np.float64)
-            a = np.bincount(k, weights=acc.astype(np.float64), minlength=self.K)
+            n, a = binned(s, acc)
             m = "greedy" if g else "sampled"
             self.mode_n[m] += n
             self.mode_a[m] += a

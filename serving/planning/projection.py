@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sssd.serving.planning.acceptance import CENTERS, EDGES, fit_gamma, trials, worth
+from sssd.serving.planning.acceptance import CENTERS, binned, fit_gamma, trials, worth
 from sssd.serving.planning.allocation import BatchAllocator, select
 
 
@@ -25,9 +25,9 @@ def fitted_gamma(steps) -> float:
             continue
         on_path = _on_path(p, acc[-1], acc)
         c, y = trials(s, p, on_path)
-        k = np.clip(np.searchsorted(EDGES, c, side="right") - 1, 0, len(CENTERS) - 1)
-        n += np.bincount(k, minlength=len(CENTERS))
-        a += np.bincount(k, weights=y.astype(float), minlength=len(CENTERS))
+        bn, ba = binned(c, y)
+        n += bn
+        a += ba
     return float(fit_gamma(n, a)[0]) if n.sum() else 1.0
 
 
