@@ -153,6 +153,48 @@ def test_counterfactual_steps_that_would_have_paid_call_a_probe_and_ones_that_wo
     assert alloc._parts[4][3] == pytest.approx(0.1) and alloc._parts[4][2] == pytest.approx(0.1)
 
 
+def test_a_due_probe_is_skipped_where_the_counterfactual_steps_say_it_would_lose():
+    """Enough counterfactual steps since the last probe, all losing: the probe that falls due is
+    skipped as if it had lost (its interval doubles, nothing is verified); without that evidence
+    probes come by the interval."""
+    alloc = losing_allocator()
+    alloc._probe[4] = alloc.PROBE_EVERY  # as after the first losing step
+    for _ in range(alloc.COUNTERFACTUAL_STEPS):  # 4 tokens in 0.1 s: half a plain step's rate
+        alloc.observe_counterfactual(4, 4, 0.1)
+    turns = [alloc.drafts(4) for _ in range(alloc.PROBE_EVERY)]
+    assert not any(turns) and alloc.skipped_probes == 1
+    assert alloc._probe[4] == 2 * alloc.PROBE_EVERY  # counted as a probe that lost
+    assert 4 not in alloc._counterfactual  # the evidence starts afresh
+    # no evidence since: the next probe comes when it is due
+    turns = [alloc.drafts(4) for _ in range(2 * alloc.PROBE_EVERY + 1)]
+    assert sum(turns) == 1 and alloc.skipped_probes == 1
+    # fewer resolved counterfactual steps than COUNTERFACTUAL_STEPS: not evidence enough to skip
+    for _ in range(alloc.COUNTERFACTUAL_STEPS - 1):
+        alloc.observe_counterfactual(4, 4, 0.1)
+    turns = [alloc.drafts(4) for _ in range(alloc._probe[4] + 1)]  # (+1: a PLAIN_EVERY turn)
+    assert sum(turns) == 1 and alloc.skipped_probes == 1
+
+
+def test_counterfactual_steps_teach_the_worth_correction():
+    """Resolved counterfactual steps that gave a third of the worth their selection promised bring
+    the bucket's worth correction to a third, as verified steps would."""
+    alloc = losing_allocator()
+    assert alloc.report()["buckets"][4]["worth_correction"] != pytest.approx(1 / 3, abs=0.05)
+    for _ in range(60):
+        alloc.observe_counterfactual(4, 4 + 2, 0.1, worth=6.0)
+    assert alloc.report()["buckets"][4]["worth_correction"] == pytest.approx(1 / 3, abs=0.02)
+    # what the engine hands over: the selection's worth before the correction it was made with
+    a = alloc.allocate([1, 2, 3, 4], np.ones(4, bool), [np.full(8, 0.9, np.float32)] * 4)
+    raw = a.raw_worth
+    assert a.correction == pytest.approx(1 / 3, abs=0.02)
+    assert raw * a.correction == pytest.approx(a.expected_tokens - 4)
+    cf = Counterfactuals()
+    chain = np.array([1, 2]), np.array([-1, 0]), np.array([0.9, 0.8])
+    cf.add(2, 0.1, [(1, *chain)], worth=1.5)
+    done = cf.advance(1, [1, 2])
+    assert [(d.tokens, d.worth) for d in done if isinstance(d, Resolved)] == [(4, 1.5)]
+
+
 def test_counterfactual_cadence_follows_the_probe_interval():
     """Counterfactual drafting costs a drafting step's preparation: every gated step while probes
     come every PROBE_EVERY steps, one in 8 once losing probes stretched the interval to PROBE_MAX,

@@ -204,7 +204,7 @@ class DecodeStep:
             for b, (r, c) in enumerate(zip(reqs, a.counts.tolist()))
             if c and use[b]
         ]
-        self._learn_counterfactual(self.counterfactuals.add(B, a.seconds, rows))
+        self._learn_counterfactual(self.counterfactuals.add(B, a.seconds, rows, a.raw_worth))
         return time.perf_counter() - t0
 
     def _walk_counterfactuals(self, emitted: dict[int, list[int]]) -> None:
@@ -243,7 +243,7 @@ class DecodeStep:
             )
         for d in done:
             if isinstance(d, Resolved):
-                allocator.observe_counterfactual(d.batch, d.tokens, d.seconds)
+                allocator.observe_counterfactual(d.batch, d.tokens, d.seconds, d.worth)
 
     def _allocate(
         self, reqs: list[Request], greedy: np.ndarray, drafts: Any, use: np.ndarray, budgets: np.ndarray, prefill: int

@@ -46,16 +46,19 @@ class _Step:
     seconds: float  # the step's predicted seconds, had it verified its selection
     rows: list
     open: int
+    worth: float = 0.0  # its selection's worth beyond the bonus tokens, as the scores had it
 
 
 @dataclass
 class Resolved:
     """One counterfactual step, every row resolved: the tokens it would have emitted (its rows'
-    accepted nodes plus one bonus token each) in the seconds it was predicted to take."""
+    accepted nodes plus one bonus token each) in the seconds it was predicted to take, and what its
+    selection's worth promised beyond the bonus tokens."""
 
     batch: int
     tokens: int
     seconds: float
+    worth: float = 0.0
 
 
 class Counterfactuals:
@@ -79,12 +82,14 @@ class Counterfactuals:
         """Unresolved counterfactual steps."""
         return len(self._steps)
 
-    def add(self, batch: int, seconds: float, rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> list:
+    def add(
+        self, batch: int, seconds: float, rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], worth: float = 0.0
+    ) -> list:
         """A step that verified nothing: its batch size, its predicted seconds had it verified
         `rows` ((request id, tokens, local parents, scores) of the nodes it would have verified per
-        row; rows without nodes need not be listed). Returns what resolved to make room, as
-        `advance` does."""
-        step = _Step(int(batch), float(seconds), [], 0)
+        row; rows without nodes need not be listed) and their worth beyond the bonus tokens.
+        Returns what resolved to make room, as `advance` does."""
+        step = _Step(int(batch), float(seconds), [], 0, float(worth))
         for rid, tokens, parents, scores in rows:
             if not len(tokens):
                 continue
@@ -165,5 +170,5 @@ class Counterfactuals:
         out = []
         while self._steps and self._steps[0].open <= 0:
             step = self._steps.popleft()
-            out.append(Resolved(step.batch, step.batch + sum(r.matched for r in step.rows), step.seconds))
+            out.append(Resolved(step.batch, step.batch + sum(r.matched for r in step.rows), step.seconds, step.worth))
         return out
