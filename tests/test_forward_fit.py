@@ -215,3 +215,33 @@ def test_a_pass_longer_than_any_measured_is_priced_by_the_profiles_increments():
     scores = [np.geomspace(0.6, 0.05, 64).astype(np.float32)] * 16
     a = alloc.allocate(list(range(16)), np.ones(16, bool), scores, cached=8000)
     assert a.counts.sum() < 200
+
+
+def test_a_pass_longer_than_the_fits_recent_passes_is_priced_by_the_profiles_increments():
+    """Drafted passes of ~80 tokens long ago, then hundreds of plain passes of 9-16 rows, slower
+    where fewer rows were left: the fit's slope is the plain passes' (0 ms a token) and the old
+    passes are forgotten, though the longest it ever fitted is 80 tokens. A pass of 80 tokens is
+    priced from the profile's increments past the recent passes' range, not at a plain pass's price
+    (16 rows on GSM8K, AMD EPYC: 112 ms predicted, 241 measured)."""
+    from test_planner import linear_profile
+
+    def true(tokens, cached):
+        return 0.060 + 0.0024 * tokens + 0.010 * cached / 1000
+
+    alloc = BatchAllocator(linear_profile(0.060, 0.0024).times)
+    for _ in range(8):
+        alloc.observe(16, 64, true(80, 4000), true(80, 4000) + 0.002, 30, cached=4000)
+    rng = np.random.default_rng(1)
+    for i in range(400):
+        rows = 16 if i % 64 < 48 else 16 - (i % 64 - 48) // 2  # each wave's last rows finish one by one
+        cached = rows * (200 + 12 * (i % 64))
+        s = (true(rows, cached) + 0.004 * (16 - rows)) * rng.normal(1, 0.02)
+        alloc.observe_plain(rows, s + 0.002, s, cached)
+    fit = alloc._fits[16]
+    assert fit.max_tokens == 80 and fit.known_tokens() < 24
+    assert fit.coefficients()[1] < 0.0005  # the recent passes say nothing of the slope
+    assert float(fit(80, 6000, 64)) < 0.75 * true(80, 6000)  # the fit alone
+    got = float(alloc.forward_seconds(16, np.array([64.0]), 6000)[0])
+    assert got == pytest.approx(true(80, 6000), rel=0.15)
+    # within the recent passes' range the fit prices as before
+    assert float(alloc.forward_seconds(16, np.array([0.0]), 6000)[0]) == pytest.approx(float(fit(16, 6000, 0)))

@@ -266,14 +266,15 @@ class BatchAllocator:
         fit = self._fits[self.bucket(batch)]
         tokens = batch + drafted
         out = fit(tokens, cached, drafted)
-        edge = float(max(fit.max_tokens, batch))
+        edge = float(max(fit.known_tokens(), batch))
         beyond = tokens > edge
         if beyond.any():
             out = np.where(beyond, np.maximum(out, self._past_edge(batch, fit, edge, tokens, cached, drafted)), out)
         return out
 
     def _past_edge(self, batch: int, fit: ForwardFit, edge: float, tokens, cached, drafted) -> np.ndarray:
-        """A pass longer than any the bucket has measured: the fit's price at the longest plus the
+        """A pass longer than the bucket's fit can speak for (ForwardFit.known_tokens: longer than
+        its recent passes' range, or than any it measured): the fit's price at that edge plus the
         profile's own increments from there. The fit's slope comes from the passes it has seen, and
         passes of one length say nothing of another: 183 plain passes of 9-16 rows (the rows fewer
         where the contexts were longest) fitted 0 ms a token, and the first speculative step after
