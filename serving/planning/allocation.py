@@ -17,8 +17,9 @@ worth; its cost is the backend's forward time for B rows carrying N = B + k toke
 passes cost their tokens, not rows x the largest tree), as the engine measures it: the profile
 scaled by the measured ratio at first, then a fit to the batch size's own steps (ForwardFit: the
 tokens, the rows' cached context, whether any draft is verified, and the machine's recent pace),
-plus the step's time beyond the forward. The selected worth is scaled by what such steps
-emitted against what they expected (the top-scored nodes' scores run high). The selection is the k
+plus the step's time beyond the forward. The selected worth is scaled by what such steps (and the
+counterfactual steps of a shut gate) emitted against what they expected (the top-scored nodes'
+scores run high). The selection is the k
 with the most expected tokens per second over all k (the top-k nodes by worth, batch-wide):
 
     k* = argmax_k (B + sum of the k largest p) / cost(B, B + k)
