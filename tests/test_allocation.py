@@ -227,6 +227,21 @@ def test_selected_worth_is_corrected_by_what_the_steps_emitted():
     assert last.counts.sum() < first.counts.sum()
 
 
+def test_a_batch_size_without_its_own_correction_borrows_the_nearest_buckets():
+    alloc = BatchAllocator(linear_profile(0.05, 0.001).times)
+    assert alloc.correction(16) == 1.0  # nothing learnt anywhere
+    for batch, got in ((4, 0.5), (64, 0.75)):  # nodes worth 4 tokens by their scores gave 2, then 3
+        for _ in range(alloc.RATIO_STEPS):  # (the step expected what the correction then in use said)
+            alloc.observe(batch, 8, 0.0, 0.0, batch + int(4 * got), expected=(batch + 4 * alloc.correction(batch), 0.1))
+    assert alloc.correction(4) == pytest.approx(0.5) and alloc.correction(64) == pytest.approx(0.75)
+    assert alloc.correction(8) == pytest.approx(0.5) and alloc.correction(32) == pytest.approx(0.75)
+    assert alloc.correction(16) == pytest.approx(0.5)  # as near to both: the fewer rows'
+    scores = [np.full(8, 0.9, np.float32)] * 16
+    a = alloc.allocate(list(range(16)), np.ones(16, bool), scores)
+    assert a.correction == pytest.approx(0.5)
+    assert alloc.report()["buckets"].get(16, {}).get("worth_correction") is None  # its own is still unlearnt
+
+
 def test_a_prefix_of_a_draft_batch_keeps_each_rows_first_nodes():
     from test_engine_seams import random_drafts
 
