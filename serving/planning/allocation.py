@@ -167,13 +167,13 @@ class BatchAllocator:
     #: (planning/counterfactual.py). Once COUNTERFACTUAL_STEPS such steps resolved since the last
     #: probe and their tokens per second (their predicted seconds corrected by what the bucket's
     #: speculative steps measured against their predictions; exponential mean) beat the plain
-    #: steps', the next step probes without waiting for the interval.
+    #: steps', the next step probes without waiting for the interval; and once as many resolved since
+    #: the last probe and say it would still lose, a probe that falls due is skipped, as if it had
+    #: lost (the interval doubles): on GSM8K at 16 rows (SmolLM2, AMD EPYC) probes verified 23-64
+    #: nodes for 0.73-0.89x a plain step's tokens per second, at 1.9-2.4x its seconds, against ~2 ms
+    #: for a counterfactual. Without such evidence (sampled batches, rows still inside their trees)
+    #: probes come by the interval.
     COUNTERFACTUAL_STEPS = 4
-    #: ... and once as many resolved since the last probe and say it would still lose, a probe that
-    #: falls due is skipped, as if it had lost (the interval doubles): on GSM8K at 16 rows
-    #: (SmolLM2, AMD EPYC) probes verified 23-64 nodes for 0.75-0.89x a plain step's tokens per
-    #: second, and cost 1.9-2.4x its seconds, against 2 ms for a counterfactual. Without such
-    #: evidence (sampled batches, rows still inside their trees) probes come by the interval.
     #: A row's candidate tree is drafted as deep as its request was last given, times DEPTH_GROWTH,
     #: and at least DEPTH_MIN nodes (a new request: candidate_budget). The allocation takes a prefix
     #: of each row's candidates in score order, and the drafter's tree at a small budget is the
