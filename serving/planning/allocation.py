@@ -228,6 +228,11 @@ class BatchAllocator:
         self._weights: dict[str, dict] = {}  # mean -> batch bucket -> its normalising weight (update_mean)
         self.steps = self.empty_steps = self.plain_steps = 0
         self.counterfactual_steps = self.called_probes = self.skipped_probes = 0
+        #: Where a list: every step observed (observe, observe_plain), in order, as JSON-ready lists,
+        #: so that a fresh allocator fed the same steps prices passes as this one did
+        #: (benchmarks/bench_allocation_replay.py compares pricings offline, free of the machine's
+        #: drift). None: not kept.
+        self.record: list | None = None
 
     def _mean(self, name: str, key: int, value, decay: float):
         """update_mean of the mean `self.<name>[key]`; returns the mean before."""
@@ -267,11 +272,19 @@ class BatchAllocator:
         fit = self._fits[self.bucket(batch)]
         tokens = batch + drafted
         out = fit(tokens, cached, drafted)
-        edge = float(max(fit.known_tokens(), batch))
+        edge = self.fit_edge(batch)
         beyond = tokens > edge
         if beyond.any():
             out = np.where(beyond, np.maximum(out, self._past_edge(batch, fit, edge, tokens, cached, drafted)), out)
         return out
+
+    def fit_edge(self, batch: int) -> float:
+        """The most tokens a pass of this bucket may verify and be priced by its fit alone
+        (ForwardFit.known_tokens, at least the rows); longer ones are priced by _past_edge. 0 before
+        the bucket is fitted."""
+        if not self.fitted(batch):
+            return 0.0
+        return float(max(self._fits[self.bucket(batch)].known_tokens(), batch))
 
     def _past_edge(self, batch: int, fit: ForwardFit, edge: float, tokens, cached, drafted) -> np.ndarray:
         """A pass longer than the bucket's fit can speak for (ForwardFit.known_tokens: longer than
@@ -492,6 +505,11 @@ class BatchAllocator:
     ) -> None:
         """A step's measured costs (its forward pass over `cached` positions and its wall time) and
         rate."""
+        if self.record is not None:
+            expect = None if expected is None else list(expected)
+            self.record.append(
+                ["step", batch, drafted, forward_seconds, step_seconds, tokens, predicted, expect, cached]
+            )
         key = self.bucket(batch)
         # the plain step this one is measured against, as predicted before the step moves the fit's
         # level (after, a slow step would have raised its own bar's seconds with it)
@@ -544,6 +562,8 @@ class BatchAllocator:
     def observe_plain(self, batch: int, step_seconds: float, forward_seconds: float = 0.0, cached: int = 0) -> None:
         """A plain step's wall time (no drafting, no draft verified), and its forward pass over
         `cached` positions (the forward fit's pass without drafts)."""
+        if self.record is not None:
+            self.record.append(["plain", batch, step_seconds, forward_seconds, cached])
         if step_seconds <= 0:
             return
         key = self.bucket(batch)
