@@ -88,7 +88,6 @@ def record(args) -> None:
 
     from sssd.serving.engine import EngineConfig, LLMEngine
     from sssd.serving.engine.params import SamplingParams
-    from sssd.serving.engine.prompts import encode_prompt
 
     eng = LLMEngine(
         args.model,
@@ -98,14 +97,7 @@ def record(args) -> None:
     )
     if eng.allocator is None:
         raise SystemExit("this engine has no batch allocation to record (no draft sources?)")
-    room = args.max_model_len - args.max_tokens - 66
-
-    def fits(messages) -> bool:
-        try:
-            return len(encode_prompt(eng.tokenizer, messages, limit=room)) <= room
-        except ValueError:
-            return False
-
+    fits = bm.prompt_fits(eng.tokenizer, args.max_model_len, args.max_tokens)
     sets = bm.MIXED if args.set == "mixed" else [args.set]
     for speculate in (False, True):  # first calls (prefill shapes, the profile) stay out
         eng.generate(

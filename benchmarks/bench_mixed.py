@@ -72,6 +72,22 @@ def mixed_prompts(sets: list[str], n: int, skip: int = 0, fits=None) -> list[tup
     return out
 
 
+def prompt_fits(tokenizer, max_model_len: int, max_tokens: int):
+    """messages -> whether the prompt leaves room in a KV slot of `max_model_len` for an answer of
+    `max_tokens` and one draft tree (mixed_prompts' `fits`)."""
+    from sssd.serving.engine.prompts import encode_prompt
+
+    room = max_model_len - max_tokens - 66
+
+    def fits(messages) -> bool:
+        try:
+            return len(encode_prompt(tokenizer, messages, limit=room)) <= room
+        except ValueError:  # certainly longer
+            return False
+
+    return fits
+
+
 def run(engine: LLMEngine, prompts, max_tokens: int, speculate: bool) -> dict:
     params = SamplingParams(max_tokens=max_tokens, speculate=speculate)
     before = dict(engine.allocator.report()["buckets"]) if engine.allocator is not None else {}
@@ -165,16 +181,7 @@ def main() -> int:
             config=EngineConfig(max_running=max_b, max_model_len=args.max_model_len, threads=args.threads),
         )
         fixed_plain.contention = None
-    room = args.max_model_len - args.max_tokens - 66  # the answer and one draft tree
-
-    def fits(messages) -> bool:
-        from sssd.serving.engine.prompts import encode_prompt
-
-        try:
-            return len(encode_prompt(plain_engine.tokenizer, messages, limit=room)) <= room
-        except ValueError:  # certainly longer
-            return False
-
+    fits = prompt_fits(plain_engine.tokenizer, args.max_model_len, args.max_tokens)
     warm = mixed_prompts(args.sets, 2, skip=50, fits=fits)  # first calls (prefill shapes, the profile) stay out
     for eng in [*engines.values(), *([fixed_plain] if fixed_plain is not None else [])]:
         for speculate in (False, True):
